@@ -1,0 +1,59 @@
+"""Reference attention backend in plain PyTorch: correct on any device, one request at a time."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kestrel.cache.kv_pool import KVPool
+from kestrel.cache.req_to_token import ReqToTokenPool
+from kestrel.core.forward_batch import ForwardBatch
+from kestrel.layers.attention import AttentionLayer
+
+
+class TorchNativeBackend:
+    """Serves every forward mode: a decode is an extend of one token, so one code path covers all."""
+
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, name: str = "torch_native") -> None:
+        self.name = name
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        pass
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
+                batch: ForwardBatch) -> torch.Tensor:
+        self.kv_pool.write(layer.layer_id, batch.out_cache_loc,
+                           k.view(-1, layer.num_kv_heads, layer.head_dim),
+                           v.view(-1, layer.num_kv_heads, layer.head_dim))
+        q = q.view(-1, layer.num_heads, layer.head_dim)
+        out = torch.empty_like(q)
+        k_buf = self.kv_pool.k_buffers[layer.layer_id]
+        v_buf = self.kv_pool.v_buffers[layer.layer_id]
+        group = layer.num_heads // layer.num_kv_heads
+        start = 0
+        for i, (prefix, extend, seq) in enumerate(zip(batch.prefix_lens_cpu, batch.extend_lens_cpu,
+                                                       batch.seq_lens_cpu)):
+            slots = self.req_to_token.table[batch.req_pool_indices[i], :seq]
+            # [heads, tokens, head_dim]; K/V repeated so each query head meets its KV head.
+            qi = q[start:start + extend].transpose(0, 1)
+            ki = k_buf[slots].transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+            vi = v_buf[slots].transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+            mask = _mask(prefix, extend, seq, layer.sliding_window, q.device)
+            out[start:start + extend] = F.scaled_dot_product_attention(
+                qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), attn_mask=mask, scale=layer.scaling,
+            )[0].transpose(0, 1)
+            start += extend
+        return out.view(-1, layer.num_heads * layer.head_dim)
+
+
+def _mask(prefix: int, extend: int, seq: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Boolean [extend, seq]: query at position prefix+j sees keys at positions <= prefix+j (within the window)."""
+    if extend == 1 and (window is None or window >= seq):
+        return None
+    q_pos = torch.arange(prefix, prefix + extend, device=device)[:, None]
+    k_pos = torch.arange(seq, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= q_pos - k_pos < window
+    return mask

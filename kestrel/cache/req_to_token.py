@@ -1,0 +1,24 @@
+"""Request slot → KV slot table."""
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Row `i` lists the KV slots of the request holding row `i`, position by position."""
+
+    def __init__(self, max_requests: int, max_context_len: int, device: torch.device | str) -> None:
+        self.table = torch.zeros((max_requests, max_context_len), dtype=torch.int64, device=device)
+        self._free = list(range(max_requests))
+        self.max_requests = max_requests
+
+    def available(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise RuntimeError("no free request slot; the scheduler must cap running requests")
+        return self._free.pop()
+
+    def free(self, idx: int) -> None:
+        self._free.append(idx)

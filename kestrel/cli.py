@@ -1,0 +1,86 @@
+"""`kestrel generate | serve | bench | explain`: argparse flags built from EngineConfig's fields."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import types
+import typing
+
+from kestrel.config import SECTIONS, EngineConfig
+
+# Flags whose help is worth more than the field name.
+HELP = {
+    "model": "Hugging Face model folder",
+    "device": "auto, cpu or cuda",
+    "dtype": "auto, float32, float16 or bfloat16",
+    "max_total_tokens": "KV pool size in tokens (default: from GPU memory; 32768 on CPU)",
+    "chunked_prefill_size": "prefill tokens per step; -1 disables chunking",
+    "attention_backend": "attention backend for both phases (e.g. torch_native)",
+}
+
+
+def _field_type(field: dataclasses.Field) -> type:
+    hint = typing.get_type_hints(field_owner[field.name])[field.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args and isinstance(hint, types.UnionType | typing._UnionGenericAlias) else hint
+
+
+field_owner = {f.name: klass for klass in SECTIONS.values() for f in dataclasses.fields(klass)}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, with SGLang's spelling (--max-total-tokens)."""
+    parser.add_argument("--device", default="auto", help=HELP["device"])
+    for klass in SECTIONS.values():
+        for field in dataclasses.fields(klass):
+            flag = "--" + field.name.replace("_", "-")
+            names = [flag, "--model-path"] if field.name == "model" else [flag]
+            kind = _field_type(field)
+            if kind is bool:
+                parser.add_argument(*names, dest=field.name, action="store_true", help=HELP.get(field.name))
+            else:
+                parser.add_argument(*names, dest=field.name, type=kind, default=None, help=HELP.get(field.name))
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    flat = {name: getattr(args, name) for name in EngineConfig.flat_fields()
+            if getattr(args, name, None) not in (None, False)}
+    return EngineConfig.from_flat(**flat)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kestrel import Engine, SamplingParams
+
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    with Engine(config=config_from_args(args)) as engine:
+        out = engine.generate(args.prompt, params)[0]
+    print(out.text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kestrel", description="a compact LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt, offline")
+    add_engine_flags(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, (args.log_level or "info").upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _generate(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kestrel: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""EngineConfig: every knob in frozen dataclasses, resolved once.
+
+`EngineConfig.from_flat(**kwargs)` accepts the flat names users know from SGLang's flags
+(`max_total_tokens=...`); `resolve()` makes every automatic choice (device, dtype, sizes) and
+validates, returning a new object. Constructors receive the section they need, never a global.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = ""
+    tokenizer: str | None = None  # defaults to the model folder
+    dtype: str = "auto"
+    load_format: str = "auto"
+    context_length: int | None = None  # defaults to the checkpoint's max_position_embeddings
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 1
+    max_total_tokens: int | None = None  # KV pool size in tokens; on CUDA derived from memory if unset
+    mem_fraction_static: float | None = None  # share of GPU memory for weights + KV pool
+    disable_radix_cache: bool = False
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int | None = None
+    chunked_prefill_size: int | None = None  # new prefill tokens per step; -1 disables chunking
+    enable_mixed_chunk: bool = False  # run prefill chunks and decodes in one MIXED batch
+    random_seed: int | None = None  # seeds the draw of per-request seeds for requests without one
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Inputs of `kestrel.attention.registry.attention_backends()`, the only reader of these fields."""
+
+    attention_backend: str | None = None
+    prefill_attention_backend: str | None = None
+    decode_attention_backend: str | None = None
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    speculative_algorithm: str | None = None
+    speculative_draft_attention_backend: str | None = None
+    speculative_attention_mode: str = "prefill"  # which half serves TARGET_VERIFY / DRAFT_EXTEND
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp_size: int = 1
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    log_level: str = "info"
+
+
+SECTIONS = {
+    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "attention": AttentionConfig,
+    "speculative": SpeculativeConfig, "parallel": ParallelConfig, "server": ServerConfig,
+}
+FLAT_ALIASES = {"model_path": "model"}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    device: str = "auto"
+    resolved: bool = False
+
+    @classmethod
+    def flat_fields(cls) -> dict[str, str]:
+        """Flat name → section name ("" for top-level fields)."""
+        names = {f.name: sec for sec, klass in SECTIONS.items() for f in dataclasses.fields(klass)}
+        names["device"] = ""
+        return names
+
+    @classmethod
+    def from_flat(cls, **kwargs: Any) -> "EngineConfig":
+        where = cls.flat_fields()
+        per_section: dict[str, dict[str, Any]] = {sec: {} for sec in SECTIONS}
+        top: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            key = FLAT_ALIASES.get(key, key)
+            if key not in where:
+                raise TypeError(f"unknown engine option {key!r}; valid options: {', '.join(sorted(where))}")
+            (top if where[key] == "" else per_section[where[key]])[key] = value
+        sections = {sec: SECTIONS[sec](**vals) for sec, vals in per_section.items()}
+        return cls(**sections, **top)
+
+    def resolve(self) -> "EngineConfig":
+        """Fill every automatic choice and validate; returns a new, resolved config."""
+        if self.resolved:
+            return self
+        import torch
+
+        from kestrel.attention.registry import attention_backends
+
+        if not self.model.model:
+            raise ValueError("model is required: a Hugging Face model folder")
+        hf = read_hf_config(self.model.model)
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but CUDA is not available; use device='cpu'")
+        on_gpu = device != "cpu"
+
+        dtype = self.model.dtype
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        if dtype == "auto":
+            ckpt = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
+            dtype = ("bfloat16" if ckpt == "float32" else ckpt) if on_gpu else "float32"
+        max_pos = int(hf.get("max_position_embeddings", 2048))
+        context_length = self.model.context_length or max_pos
+        if context_length < 1:
+            raise ValueError(f"context_length must be >= 1, got {context_length}")
+
+        c = self.cache
+        if c.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {c.page_size}")
+        if c.max_total_tokens is not None and c.max_total_tokens < c.page_size:
+            raise ValueError(f"max_total_tokens must be >= page_size ({c.page_size}), got {c.max_total_tokens}")
+        mem_fraction = c.mem_fraction_static
+        if mem_fraction is not None and not 0 < mem_fraction < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction}")
+        max_total_tokens = c.max_total_tokens
+        if not on_gpu and max_total_tokens is None:
+            max_total_tokens = 32768  # CPU: no memory probe, a fixed pool that fits any test model
+        cache = dataclasses.replace(c, max_total_tokens=max_total_tokens,
+                                    mem_fraction_static=mem_fraction if mem_fraction else 0.85)
+
+        s = self.scheduler
+        if s.max_running_requests is not None and s.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {s.max_running_requests}")
+        chunk = s.chunked_prefill_size
+        if chunk is None:
+            chunk = 8192 if on_gpu else 2048
+        if chunk != -1 and chunk < 1:
+            raise ValueError(f"chunked_prefill_size must be -1 (off) or >= 1, got {chunk}")
+        scheduler = dataclasses.replace(
+            s, chunked_prefill_size=chunk, max_running_requests=s.max_running_requests or (256 if on_gpu else 64))
+
+        if self.speculative.speculative_attention_mode not in ("prefill", "decode"):
+            raise ValueError("speculative_attention_mode must be 'prefill' or 'decode', "
+                             f"got {self.speculative.speculative_attention_mode!r}")
+        if self.parallel.tp_size != 1:
+            raise ValueError(f"tp_size must be 1 for now, got {self.parallel.tp_size}")
+        out = dataclasses.replace(
+            self, device=device, cache=cache, scheduler=scheduler,
+            model=dataclasses.replace(self.model, dtype=dtype, context_length=context_length),
+            resolved=True)
+        attention_backends(out)  # unknown or unavailable backends fail here, at start-up
+        return out
+
+
+def read_hf_config(model: str) -> dict[str, Any]:
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model {model!r} is not a Hugging Face model folder: {path} not found")
+    return json.loads(path.read_text())

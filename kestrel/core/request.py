@@ -1,0 +1,52 @@
+"""Request state owned by the scheduler."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from kestrel.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request.
+
+    KV invariant while the request holds a `req_pool_idx`: slots of tokens `fill_ids[:kv_len]` are in
+    `req_to_token[req_pool_idx, :kv_len]`; the first `cached_len` of them belong to the radix tree
+    (locked through `last_node`), the rest to the request. A retracted request loses both and keeps
+    its `output_ids`; it resumes by prefilling `fill_ids` again.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: int
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    req_pool_idx: int | None = None
+    kv_len: int = 0
+    cached_len: int = 0
+    last_node: Any = None
+    extend_len: int = 0  # new tokens in the step being run
+    cached_tokens: int = 0  # prompt tokens reused from the radix cache at first admission
+    admitted: bool = False
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

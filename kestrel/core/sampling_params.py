@@ -1,0 +1,73 @@
+"""Per-request sampling parameters and their validation."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How one request is sampled and when it stops.
+
+    `temperature == 0` means greedy. `top_k == -1` disables top-k. `seed=None` draws a random
+    seed once when the request is created; every token's randomness is derived from
+    (seed, position), so batch neighbours, retraction and chunking never change the sample.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return per generated token
+    skip_special_tokens: bool = True
+    stop_strs: list[str] = field(init=False, repr=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.stop_strs = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the field and its allowed range."""
+        def bad(name: str, allowed: str) -> None:
+            raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            bad("max_new_tokens", "an integer >= 0")
+        if not is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            bad("min_new_tokens", f"an integer in [0, max_new_tokens={self.max_new_tokens}]")
+        if not is_num(self.temperature) or self.temperature < 0:
+            bad("temperature", "a number >= 0 (0 means greedy)")
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "a number in (0, 1]")
+        if not is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            bad("top_k", "-1 (disabled) or an integer >= 1")
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "a number in [0, 1]")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "a number > 0 (1 disables it)")
+        if not is_num(self.frequency_penalty) or not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", "a number in [-2, 2]")
+        if not is_num(self.presence_penalty) or not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", "a number in [-2, 2]")
+        if self.seed is not None and not is_int(self.seed):
+            bad("seed", "an integer or None")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            bad("logprobs", "None or an integer in [0, 20]")
+        if not all(isinstance(s, str) and s for s in self.stop_strs):
+            bad("stop", "a non-empty string or a list of non-empty strings")
+        ids = self.stop_token_ids or []
+        if not all(is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size) for t in ids):
+            bad("stop_token_ids", f"a list of token ids in [0, {vocab_size})")

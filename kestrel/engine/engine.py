@@ -1,0 +1,189 @@
+"""Engine: offline generation in-process. Owns tokenizer, scheduler, model runner and sampler."""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from typing import Any, Iterable
+
+from kestrel.cache.radix import RadixCache
+from kestrel.config import EngineConfig
+from kestrel.core.outputs import RequestOutput
+from kestrel.core.request import Request
+from kestrel.core.sampling_params import SamplingParams
+from kestrel.engine.detokenizer import OutputText
+from kestrel.engine.sampler import Sampler, SamplingBatch
+from kestrel.engine.scheduler import Scheduler
+from kestrel.engine.tokenizer import eos_token_ids, load_tokenizer
+from kestrel.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """`Engine(model=path, device="cpu", dtype="float32", **engine_options)`; see EngineConfig for options."""
+
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        if config is None:
+            config = EngineConfig.from_flat(**({"model": model} if model else {}), **kwargs)
+        elif model or kwargs:
+            raise TypeError("pass either config or model/engine options, not both")
+        self.config = config = config.resolve()
+
+        # ---- tokenizer ---------------------------------------------------------------------
+        self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model, required=False)
+        self.eos_token_ids = eos_token_ids(config.model.model, self.tokenizer)
+
+        # ---- model, KV memory, attention ---------------------------------------------------
+        self.runner = ModelRunner(config)
+        self.vocab_size = self.runner.vocab_size
+
+        # ---- scheduling and sampling -------------------------------------------------------
+        self.radix = RadixCache(self.runner.allocator, config.cache.page_size,
+                                disabled=config.cache.disable_radix_cache)
+        self.scheduler = Scheduler(config.scheduler, self.runner.allocator, self.radix, self.runner.req_to_token,
+                                   self.eos_token_ids, self.runner.max_req_len)
+        self.sampler = Sampler()
+        self._seed_rng = random.Random(config.scheduler.random_seed)
+        self._arrivals = itertools.count()
+        self._texts: dict[str, OutputText] = {}
+        self._reqs: dict[str, Request] = {}
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+                    sampling_params: SamplingParams | None = None, rid: str | None = None) -> str:
+        """Validate and queue one request; returns its id. Raises ValueError on bad input."""
+        params = sampling_params or SamplingParams()
+        params.validate(self.vocab_size)
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt (text) or prompt_token_ids")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise ValueError("this model folder has no tokenizer: pass prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
+        limit = self.runner.max_req_len
+        if len(ids) >= limit:
+            raise ValueError(f"the prompt has {len(ids)} tokens; it must be shorter than the context "
+                             f"length ({limit} tokens, the smaller of context_length and the KV pool)")
+        if len(ids) + params.max_new_tokens > self.runner.allocator.size:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                             f"KV pool ({self.runner.allocator.size} tokens); lower max_new_tokens")
+        arrival = next(self._arrivals)
+        rid = rid if rid is not None else f"req-{arrival}"
+        if rid in self._reqs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        req = Request(rid=rid, prompt_ids=ids, params=params, seed=seed, arrival=arrival)
+        self._reqs[rid] = req
+        if self.tokenizer is not None:
+            self._texts[rid] = OutputText(self.tokenizer, ids, params)
+        if params.max_new_tokens == 0:
+            self.scheduler.finish(req, "length")
+        else:
+            self.scheduler.add(req)
+        return rid
+
+    def abort(self, rid: str) -> bool:
+        return self.scheduler.abort(rid) is not None
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one batch; returns the requests that got a token or finished in this step."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        logits = self.runner.forward(batch.mode, batch.reqs)
+        rows = self.scheduler.sampling_rows(batch)
+        sampled = [batch.reqs[i] for i in rows]
+        if not sampled:
+            self.scheduler.process(batch, [], [])
+            return []
+        sampling = SamplingBatch.from_requests(sampled, self.vocab_size, self.eos_token_ids, self.runner.device)
+        out = self.sampler(logits if len(rows) == len(batch.reqs) else logits[rows], sampling)
+        self.scheduler.process(batch, sampled, out.token_ids)
+        for req, logprob, top in zip(sampled, out.logprobs, out.top_logprobs):
+            if logprob is not None:
+                req.output_logprobs.append(logprob)
+                req.output_top_logprobs.append(top)
+            self._check_stop_strings(req)
+        return sampled
+
+    def _check_stop_strings(self, req: Request) -> None:
+        text = self._texts.get(req.rid)
+        if text is None:
+            return
+        _, matched = text.add(req.output_ids[-1:])
+        if matched is not None and len(req.output_ids) >= req.params.min_new_tokens:
+            if req.finished:
+                req.finish_reason, req.matched_stop = "stop", matched
+            else:
+                self.scheduler.finish(req, "stop", matched)
+
+    def generate(self, prompts: str | list[str] | None = None,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 prompt_token_ids: list[int] | list[list[int]] | None = None) -> list[RequestOutput]:
+        """Run prompts (text, or token ids) to completion; outputs in input order."""
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompts or prompt_token_ids")
+        if prompts is not None:
+            items: list[dict[str, Any]] = [{"prompt": p} for p in ([prompts] if isinstance(prompts, str) else prompts)]
+        else:
+            single = prompt_token_ids and isinstance(prompt_token_ids[0], int)
+            items = [{"prompt_token_ids": p} for p in ([prompt_token_ids] if single else prompt_token_ids)]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
+        if len(params) != len(items):
+            raise ValueError(f"got {len(params)} sampling_params for {len(items)} prompts")
+        rids = []
+        try:
+            for item, p in zip(items, params):
+                rids.append(self.add_request(sampling_params=p, **item))
+        except ValueError:
+            for rid in rids:  # a bad prompt rejects the whole call; the others are not left behind
+                self.abort(rid)
+                self._pop(rid)
+            raise
+        while not all(self._reqs[rid].finished for rid in rids):
+            self.step()
+        return [self.output(self._pop(rid)) for rid in rids]
+
+    def _pop(self, rid: str) -> Request:
+        self._texts.pop(rid, None)
+        return self._reqs.pop(rid)
+
+    def output(self, req: Request) -> RequestOutput:
+        text = ""
+        if self.tokenizer is not None:
+            state = self._texts.get(req.rid)
+            if state is None:  # the request never streamed through this engine's loop
+                state = OutputText(self.tokenizer, req.prompt_ids, req.params)
+                state.add(req.output_ids)
+            state.finish()
+            text = state.text
+            if state.matched_stop is not None and req.matched_stop is None:
+                req.finish_reason, req.matched_stop = "stop", state.matched_stop
+        meta: dict[str, Any] = {
+            "id": req.rid, "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens, "finish_reason": req.finish_reason, "matched_stop": req.matched_stop,
+        }
+        if req.params.logprobs is not None:
+            meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids))
+            meta["output_top_logprobs"] = req.output_top_logprobs
+        return RequestOutput(text=text, token_ids=list(req.output_ids), meta=meta, finished=req.finished)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        for rid in list(self._reqs):
+            self.abort(rid)
+        self._reqs.clear()
+        self._texts.clear()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Iterable[Any]) -> None:
+        self.shutdown()

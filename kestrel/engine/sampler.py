@@ -1,0 +1,283 @@
+"""Turn one step's logits into next tokens: penalties, min-token blocking, logprobs, greedy/sampling.
+
+Randomness is a pure function of (request seed, token position, token id): a counter-based hash
+computed with int64 tensor ops on the logits' device. No generator state exists, so batch
+composition, row order, retraction and chunking cannot change what a request samples.
+Everything stays on the device until the single `.tolist()` at the end of `Sampler.__call__`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kestrel.core.request import Request
+
+_M32 = 0xFFFFFFFF
+# Token ids travel to the host inside a float32 tensor when logprobs are packed with them; float32
+# represents every integer below 2**24 exactly.
+_MAX_PACKED_VOCAB = 1 << 24
+
+_ToTensor = Callable[[list, torch.dtype], torch.Tensor]  # host list -> tensor on the batch's device
+
+
+@dataclass
+class Penalties:
+    """Repetition / frequency / presence penalty inputs, as flat (row, token id) index pairs.
+
+    `seen_*` covers prompt + output tokens (repetition penalty); `out_*` covers output tokens only,
+    one pair per occurrence (frequency / presence penalties). Rows without penalties carry the
+    identity values (1, 0, 0) and contribute no pairs.
+    """
+
+    seen_rows: torch.Tensor  # [N] int64
+    seen_ids: torch.Tensor  # [N] int64
+    out_rows: torch.Tensor  # [M] int64
+    out_ids: torch.Tensor  # [M] int64
+    repetition: torch.Tensor  # [B] float32
+    frequency: torch.Tensor  # [B] float32
+    presence: torch.Tensor  # [B] float32
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Return penalized float32 logits (out of place: the caller's tensor is left untouched)."""
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[self.seen_rows, self.seen_ids] = True
+        counts = torch.zeros_like(logits)
+        counts.index_put_((self.out_rows, self.out_ids), torch.ones_like(self.out_ids, dtype=logits.dtype),
+                          accumulate=True)
+        rep = self.repetition[:, None]
+        # HF convention: dividing a positive logit and multiplying a negative one both make the token
+        # less likely when the penalty is > 1.
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        return logits - counts * self.frequency[:, None] - (counts > 0) * self.presence[:, None]
+
+
+@dataclass
+class SamplingBatch:
+    """Per-batch sampling tensors built once per step from the requests being sampled (all on `device`).
+
+    Row i describes `reqs[i]`. Optional fields are None when no row needs that stage, so the
+    sampler skips it entirely. Greedy rows carry neutral values (temperature 1, no filters) so
+    computing the sampled path for the whole batch is safe; their result is discarded.
+    """
+
+    vocab_size: int
+    greedy: torch.Tensor  # [B] bool, temperature == 0
+    all_greedy: bool
+    temperatures: torch.Tensor  # [B] float32, 1.0 on greedy rows
+    seed_lo: torch.Tensor  # [B] int64, low 32 bits of the 64-bit seed
+    seed_hi: torch.Tensor  # [B] int64, high 32 bits
+    positions: torch.Tensor  # [B] int64, position of the token being generated
+    top_ks: torch.Tensor | None  # [B] int64, vocab_size where disabled
+    top_ps: torch.Tensor | None  # [B] float32, inf where disabled (keeps every token exactly)
+    min_ps: torch.Tensor | None  # [B] float32, 0 where disabled
+    penalties: Penalties | None
+    blocked: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) forced to -inf
+    logprob_rows: torch.Tensor | None  # [R] int64, rows with params.logprobs is not None
+    logprob_asks: list[tuple[int, int]]  # host copy: (row, params.logprobs) per logprob row
+
+    @classmethod
+    def from_requests(cls, reqs: list[Request], vocab_size: int, eos_token_ids: set[int],
+                      device: torch.device | str) -> "SamplingBatch":
+        params = [r.params for r in reqs]
+        greedy = [p.temperature == 0 for p in params]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        # Filters only matter on sampled rows; a batch where no sampled row uses one skips it.
+        top_ks = [vocab_size if g or p.top_k == -1 else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
+        top_ps = [float("inf") if g or p.top_p >= 1 else float(p.top_p) for p, g in zip(params, greedy)]
+        min_ps = [0.0 if g else float(p.min_p) for p, g in zip(params, greedy)]
+
+        seeds = [r.seed & 0xFFFFFFFFFFFFFFFF for r in reqs]  # two's complement for negative seeds
+        logprob_idx = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if logprob_idx and vocab_size > _MAX_PACKED_VOCAB:
+            raise ValueError(f"logprobs need vocab_size <= {_MAX_PACKED_VOCAB}, got {vocab_size}")
+        return cls(
+            vocab_size=vocab_size,
+            greedy=tensor(greedy, torch.bool),
+            all_greedy=all(greedy),
+            temperatures=tensor([1.0 if g else float(p.temperature) for p, g in zip(params, greedy)], torch.float32),
+            seed_lo=tensor([s & _M32 for s in seeds], torch.int64),
+            seed_hi=tensor([s >> 32 for s in seeds], torch.int64),
+            positions=tensor([len(r.prompt_ids) + len(r.output_ids) for r in reqs], torch.int64),
+            top_ks=tensor(top_ks, torch.int64) if any(k < vocab_size for k in top_ks) else None,
+            top_ps=tensor(top_ps, torch.float32) if any(p != float("inf") for p in top_ps) else None,
+            min_ps=tensor(min_ps, torch.float32) if any(p > 0 for p in min_ps) else None,
+            penalties=_build_penalties(reqs, tensor),
+            blocked=_build_blocked(reqs, vocab_size, eos_token_ids, tensor),
+            logprob_rows=tensor(logprob_idx, torch.int64) if logprob_idx else None,
+            logprob_asks=[(i, params[i].logprobs) for i in logprob_idx],
+        )
+
+
+def _build_penalties(reqs: list[Request], tensor: _ToTensor) -> Penalties | None:
+    """Penalty inputs, or None when no row has a penalty (the sampler then skips the stage)."""
+    params = [r.params for r in reqs]
+    if all(p.repetition_penalty == 1 and p.frequency_penalty == 0 and p.presence_penalty == 0 for p in params):
+        return None
+    rep_rows, rep_ids, out_rows, out_ids = [], [], [], []
+    for i, (r, p) in enumerate(zip(reqs, params)):
+        if p.repetition_penalty != 1:
+            ids = r.prompt_ids + r.output_ids
+            rep_rows += [i] * len(ids)
+            rep_ids += ids
+        if p.frequency_penalty != 0 or p.presence_penalty != 0:
+            out_rows += [i] * len(r.output_ids)
+            out_ids += r.output_ids
+    return Penalties(
+        seen_rows=tensor(rep_rows, torch.int64), seen_ids=tensor(rep_ids, torch.int64),
+        out_rows=tensor(out_rows, torch.int64), out_ids=tensor(out_ids, torch.int64),
+        repetition=tensor([float(p.repetition_penalty) for p in params], torch.float32),
+        frequency=tensor([float(p.frequency_penalty) for p in params], torch.float32),
+        presence=tensor([float(p.presence_penalty) for p in params], torch.float32),
+    )
+
+
+def _build_blocked(reqs: list[Request], vocab_size: int, eos_token_ids: set[int],
+                   tensor: _ToTensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row, token) pairs that may not be generated yet because min_new_tokens is not reached."""
+    rows, ids = [], []
+    for i, r in enumerate(reqs):
+        p = r.params
+        if len(r.output_ids) >= p.min_new_tokens:
+            continue
+        stops = set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(eos_token_ids))
+        stops = sorted(t for t in stops if 0 <= t < vocab_size)
+        rows += [i] * len(stops)
+        ids += stops
+    return (tensor(rows, torch.int64), tensor(ids, torch.int64)) if rows else None
+
+
+# ---- counter-based randomness (32-bit lanes inside int64, so sign and overflow never matter) ----
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """Low 32 bits of x * c for x in [0, 2**32): split c in 16-bit halves so no product exceeds 2**48."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x << r) | (x >> (32 - r))) & _M32
+
+
+def _mix_word(h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """One murmur3_32 block step: fold the 32-bit word k into the running hash h."""
+    k = _mul32(_rotl32(_mul32(k & _M32, 0xCC9E2D51), 15), 0x1B873593)
+    h = _rotl32(h ^ k, 13)
+    return (_mul32(h, 5) + 0xE6546B64) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3 finalizer: every input bit affects every output bit (avalanche)."""
+    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
+    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def uniform_noise(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tensor,
+                  vocab_size: int) -> torch.Tensor:
+    """[B, V] float32 uniforms in (0, 1), a pure function of (seed, position, token id) per cell.
+
+    Row i depends only on row i's inputs, so results are independent of batch composition.
+    """
+    h = _mix_word(torch.full_like(seed_lo, 0x9747B28C), seed_lo)
+    h = _mix_word(_mix_word(h, seed_hi), positions)
+    tokens = torch.arange(vocab_size, dtype=torch.int64, device=seed_lo.device)
+    h = _fmix32(_mix_word(h[:, None], tokens[None, :]) ^ 16)  # 16 = bytes hashed, as murmur3 does
+    # Top 24 bits + 1/2 fit float32 exactly and keep u strictly inside (0, 1), so -log(u) is finite and > 0.
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+# ---- sampler ----
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one host sync per step: the only .tolist()
+    logprobs: list[float | None]  # chosen token's logprob; None where params.logprobs is None
+    top_logprobs: list[list[tuple[int, float]] | None]  # top-n (token id, logprob), descending
+
+
+class Sampler:
+    """Stateless: the same logits and SamplingBatch always give the same SamplerOutput."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample one token per row of `logits` [B, V] (any float dtype; computed in float32).
+
+        Logprobs are log_softmax of the logits after penalties and min_new_tokens blocking, but
+        before temperature and top-k/top-p/min-p: they describe the model, not the sampling filter.
+        """
+        logits = logits.float()
+        if batch.penalties is not None:
+            logits = batch.penalties.apply(logits)
+        if batch.blocked is not None:
+            logits = logits.index_put(batch.blocked, torch.tensor(float("-inf"), device=logits.device))
+        greedy_ids = logits.argmax(dim=-1)
+        token_ids = greedy_ids
+        if not batch.all_greedy:
+            token_ids = torch.where(batch.greedy, greedy_ids, self._sample(logits, batch))
+        return self._to_host(logits, token_ids, batch)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        probs = torch.softmax(logits / batch.temperatures[:, None], dim=-1)
+        keep = self._keep_mask(probs, batch)
+        if keep is not None:
+            probs = probs.masked_fill(~keep, 0.0)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability
+        # p_i / sum(p), so the filtered probs need no renormalization.
+        u = uniform_noise(batch.seed_lo, batch.seed_hi, batch.positions, logits.shape[-1])
+        return (probs / -torch.log(u)).argmax(dim=-1)
+
+    @staticmethod
+    def _keep_mask(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
+        """Tokens surviving top-k, then top-p (on the top-k-renormalized mass), then min-p.
+
+        The most likely token always survives, so every row keeps a non-empty support.
+        """
+        keep = None
+        if batch.top_ks is not None or batch.top_ps is not None:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            rank = torch.arange(probs.shape[-1], device=probs.device)
+            keep_sorted = torch.ones_like(sorted_p, dtype=torch.bool)
+            if batch.top_ks is not None:
+                keep_sorted = rank[None, :] < batch.top_ks[:, None]
+                sorted_p = sorted_p * keep_sorted
+            if batch.top_ps is not None:
+                cum = sorted_p.cumsum(dim=-1)
+                mass_before = cum - sorted_p
+                # Keep a token while the mass strictly above it is below top_p; the top token has
+                # mass_before == 0 < top_p. Disabled rows hold inf so rounding can never drop a token.
+                keep_sorted = keep_sorted & (mass_before < batch.top_ps[:, None] * cum[:, -1:])
+            keep = torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
+        if batch.min_ps is not None:
+            above = probs >= batch.min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
+            keep = above if keep is None else keep & above
+        return keep
+
+    @staticmethod
+    def _to_host(logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """One device->host transfer: token ids, plus logprobs packed into the same float32 tensor."""
+        bs = token_ids.shape[0]
+        logprobs: list[float | None] = [None] * bs
+        top_logprobs: list[list[tuple[int, float]] | None] = [None] * bs
+        if batch.logprob_rows is None:
+            return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs)
+
+        rows = batch.logprob_rows
+        lp = torch.log_softmax(logits.index_select(0, rows), dim=-1)
+        chosen = lp.gather(1, token_ids.index_select(0, rows)[:, None])
+        n = max(top_n for _, top_n in batch.logprob_asks)
+        top_vals, top_ids = lp.topk(n, dim=-1)  # sorted descending
+        per_row = torch.cat([chosen, top_ids.float(), top_vals], dim=1)  # [R, 1 + 2n]
+        host = torch.cat([token_ids.float(), per_row.flatten()]).tolist()
+
+        ids = [int(t) for t in host[:bs]]
+        width = 1 + 2 * n
+        for j, (row, top_n) in enumerate(batch.logprob_asks):
+            rec = host[bs + j * width: bs + (j + 1) * width]
+            logprobs[row] = rec[0]
+            top_logprobs[row] = [(int(t), v) for t, v in zip(rec[1:1 + n], rec[1 + n:])][:top_n]
+        return SamplerOutput(ids, logprobs, top_logprobs)

@@ -1,0 +1,207 @@
+"""Continuous batching: waiting/running queues, chunked prefill, retraction, abort.
+
+Each step the scheduler picks one batch: new prefill work first (FCFS, within the chunked-prefill
+token budget), otherwise a decode step of every running request; with `enable_mixed_chunk` the
+decodes ride along with the prefill chunks in one MIXED batch. KV slots for the batch are allocated
+here, before the forward, and written into the request's `req_to_token` row.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from kestrel.cache.allocator import TokenToKVPoolAllocator
+from kestrel.cache.radix import RadixCache
+from kestrel.cache.req_to_token import ReqToTokenPool
+from kestrel.config import SchedulerConfig
+from kestrel.core.forward_mode import ForwardMode
+from kestrel.core.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """Requests of one forward, each with `kv_len` tokens already cached and `extend_len` new ones."""
+
+    mode: ForwardMode
+    reqs: list[Request]
+    num_prefill: int  # reqs[:num_prefill] are prefill work, the rest decodes
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: TokenToKVPoolAllocator, radix: RadixCache,
+                 req_to_token: ReqToTokenPool, eos_token_ids: set[int], context_length: int) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.radix = radix
+        self.req_to_token = req_to_token
+        self.eos_token_ids = eos_token_ids
+        self.context_length = context_length
+        self.waiting: list[Request] = []  # kept sorted by arrival, so retracted requests go back in place
+        self.running: list[Request] = []  # decoding, in admission order
+        self.chunked: Request | None = None  # prefill in progress across steps
+        self.num_retractions = 0
+
+    # ---- queue management -------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        bisect.insort(self.waiting, req, key=lambda r: r.arrival)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def abort(self, rid: str) -> Request | None:
+        """Finish the request with reason "abort" and free its KV; None if no such live request."""
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self._mark_finished(req, "abort")
+                return req
+        for req in self.running + ([self.chunked] if self.chunked else []):
+            if req.rid == rid:
+                self.finish(req, "abort")
+                return req
+        return None
+
+    def finish(self, req: Request, reason: str, matched_stop: int | str | None = None) -> None:
+        """End a live request (also used by the engine for stop strings) and release its KV."""
+        if req in self.running:
+            self.running.remove(req)
+        if req is self.chunked:
+            self.chunked = None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        self._mark_finished(req, reason, matched_stop)
+
+    # ---- batch selection --------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        prefill = self._schedule_prefill()
+        if prefill and not (self.config.enable_mixed_chunk and self.running):
+            return ScheduledBatch(ForwardMode.EXTEND, prefill, len(prefill))
+        decode = self._schedule_decode()
+        if prefill:
+            mode = ForwardMode.MIXED if decode else ForwardMode.EXTEND
+            return ScheduledBatch(mode, prefill + decode, len(prefill))
+        return ScheduledBatch(ForwardMode.DECODE, decode, 0) if decode else None
+
+    def _free_tokens(self) -> int:
+        return self.allocator.available_size() + self.radix.evictable_size()
+
+    def _schedule_prefill(self) -> list[Request]:
+        budget = self.config.chunked_prefill_size
+        budget = float("inf") if budget == -1 else budget
+        page = self.allocator.page_size
+        picked: list[Request] = []
+        candidates = ([self.chunked] if self.chunked else []) + list(self.waiting)
+        for req in candidates:
+            is_new = req is not self.chunked
+            if is_new and (len(self.running) + len(picked) + (self.chunked is not None)
+                           >= self.config.max_running_requests or self.req_to_token.available() == 0):
+                break
+            if is_new:
+                # Match at most len - 1 tokens: the last one must run to give the next token's logits.
+                slots, node = self.radix.match_prefix(req.fill_ids[:-1])
+                self.radix.inc_lock_ref(node)
+                req.last_node, req.cached_len, req.kv_len = node, len(slots), len(slots)
+            remaining = len(req.fill_ids) - req.kv_len
+            take = int(min(remaining, budget))
+            # Every running request keeps room for its next decode token.
+            reserve = (len(self.running) + len(picked)) * page
+            if take <= 0 or self.allocator.tokens_needed(req.kv_len, take) + reserve > self._free_tokens():
+                if is_new:
+                    self.radix.dec_lock_ref(req.last_node)
+                    req.last_node, req.cached_len, req.kv_len = None, 0, 0
+                break
+            if is_new:
+                self.waiting.remove(req)
+                req.req_pool_idx = self.req_to_token.alloc()
+                if req.cached_len:
+                    self.req_to_token.table[req.req_pool_idx, :req.cached_len] = slots
+                if not req.admitted:
+                    req.cached_tokens = req.cached_len
+                    req.admitted = True
+                req.status = RequestStatus.RUNNING
+            self._allocate(req, take)
+            picked.append(req)
+            budget -= take
+            if take < remaining:
+                self.chunked = req
+                break
+            if req is self.chunked:
+                self.chunked = None
+        return picked
+
+    def _schedule_decode(self) -> list[Request]:
+        def needed() -> int:
+            return sum(self.allocator.tokens_needed(r.kv_len, 1) for r in self.running)
+
+        while self.running and needed() > self._free_tokens():
+            self._retract(self.chunked if self.chunked else self.running[-1])
+        for req in self.running:
+            self._allocate(req, 1)
+        return list(self.running)
+
+    def _allocate(self, req: Request, n: int) -> None:
+        """Give req KV slots for fill positions [kv_len, kv_len + n), evicting cached prefixes if needed."""
+        need = self.allocator.tokens_needed(req.kv_len, n)
+        if need > self.allocator.available_size():
+            self.radix.evict(need - self.allocator.available_size())
+        row = self.req_to_token.table[req.req_pool_idx]
+        last_loc = int(row[req.kv_len - 1]) if req.kv_len else 0
+        row[req.kv_len:req.kv_len + n] = self.allocator.alloc_for(req.kv_len, n, last_loc)
+        req.extend_len = n
+
+    def _retract(self, req: Request) -> None:
+        """Put a request back in the waiting queue; its KV goes to the radix cache (evictable)."""
+        if req is self.chunked:
+            self.chunked = None
+        else:
+            self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        self.num_retractions += 1
+        self.add(req)
+
+    def _release(self, req: Request) -> None:
+        if req.req_pool_idx is None:
+            return
+        slots = self.req_to_token.table[req.req_pool_idx, :req.kv_len].clone()
+        self.radix.cache_finished(req.fill_ids[:req.kv_len], slots, req.cached_len, req.last_node)
+        self.req_to_token.free(req.req_pool_idx)
+        req.req_pool_idx, req.last_node, req.kv_len, req.cached_len, req.extend_len = None, None, 0, 0, 0
+
+    def _mark_finished(self, req: Request, reason: str, matched_stop: int | str | None = None) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.matched_stop = matched_stop
+
+    # ---- after the forward ------------------------------------------------------------------
+    def sampling_rows(self, batch: ScheduledBatch) -> list[int]:
+        """Rows of the batch whose fill is complete after this forward: they get a token."""
+        return [i for i, r in enumerate(batch.reqs) if r.kv_len + r.extend_len == len(r.fill_ids)]
+
+    def process(self, batch: ScheduledBatch, sampled: list[Request], token_ids: list[int]) -> None:
+        """Commit the forward's KV, append sampled tokens, finish requests that hit a stop condition."""
+        for req in batch.reqs:
+            req.kv_len += req.extend_len
+            req.extend_len = 0
+            if req is self.chunked:
+                # Chunked-so-far tokens go to the tree so the request (and others) can share them.
+                slots = self.req_to_token.table[req.req_pool_idx, :req.kv_len].clone()
+                tree_slots, node, cached = self.radix.cache_unfinished(
+                    req.fill_ids[:req.kv_len], slots, req.cached_len, req.last_node)
+                self.req_to_token.table[req.req_pool_idx, :cached] = tree_slots
+                req.last_node, req.cached_len = node, cached
+        prefilled = set(map(id, batch.reqs[:batch.num_prefill]))
+        for req, token in zip(sampled, token_ids):
+            req.output_ids.append(token)
+            if id(req) in prefilled:
+                self.running.append(req)
+            params = req.params
+            if params.stop_token_ids and token in params.stop_token_ids:
+                self.finish(req, "stop", token)
+            elif not params.ignore_eos and token in self.eos_token_ids:
+                self.finish(req, "stop", token)
+            elif len(req.output_ids) >= params.max_new_tokens or len(req.fill_ids) >= self.context_length:
+                self.finish(req, "length")

@@ -1,0 +1,121 @@
+"""Tokenizer loading, chat templates and end-of-sequence ids.
+
+The engine can run on token ids only (no tokenizer in the model folder); everything here that takes
+a tokenizer is only called when one exists.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# Any of these in a local folder means a tokenizer is meant to be there.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def load_tokenizer(path: str, required: bool = True) -> PreTrainedTokenizerBase | None:
+    """Load the tokenizer saved in `path` (a local model folder).
+
+    Returns None only when `required` is False and the folder has no tokenizer files; a folder
+    that has them but fails to load always raises, so a broken tokenizer is never silently ignored.
+    """
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / name).exists() for name in _TOKENIZER_FILES):
+        if not required:
+            return None
+        raise FileNotFoundError(
+            f"no tokenizer in {path}: expected one of {', '.join(_TOKENIZER_FILES)}; "
+            "add one, or pass prompt token ids instead of text"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"could not load the tokenizer from {path}: {e}") from e
+
+
+def _message_text(content: Any, index: int) -> str:
+    """Content as one string: a string as is, or OpenAI-style text parts joined with newlines."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ValueError(
+                    f"messages[{index}].content parts must be {{'type': 'text', 'text': str}}, got {part!r}"
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ValueError(
+        f"messages[{index}].content must be a string or a list of text parts, got {type(content).__name__}"
+    )
+
+
+def normalize_messages(messages: Any) -> list[dict[str, str]]:
+    """Validate chat messages and return them as [{'role': str, 'content': str}, ...].
+
+    Raises ValueError naming the first bad message and the valid shapes; other keys are kept
+    (e.g. `name`, `tool_call_id`) because some templates read them.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        if "content" not in message:
+            raise ValueError(f"messages[{i}] has no 'content'")
+        out.append({**message, "content": _message_text(message["content"], i)})
+    return out
+
+
+def apply_chat_template_text(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True
+) -> str:
+    """Render `messages` with the tokenizer's chat template into the prompt text."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "this model's tokenizer has no chat template; send a plain prompt (completions API) instead"
+        )
+    return tokenizer.apply_chat_template(
+        normalize_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True
+) -> list[int]:
+    """Render and tokenize `messages`; the template supplies any BOS, so none is added again."""
+    text = apply_chat_template_text(tokenizer, messages, add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _ids(value: Any) -> set[int]:
+    """An `eos_token_id` field (int, list of ints or null) as a set."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {value}
+    if isinstance(value, list):
+        return {v for v in value if isinstance(v, int) and not isinstance(v, bool)}
+    return set()
+
+
+def eos_token_ids(model_path: str, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
+    """Every id that ends generation: config.json, generation_config.json and the tokenizer's eos.
+
+    Read from the JSON files directly (no config classes) so it works for any architecture; a
+    missing file contributes nothing.
+    """
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        file = Path(model_path) / name
+        if file.is_file():
+            ids |= _ids(json.loads(file.read_text()).get("eos_token_id"))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

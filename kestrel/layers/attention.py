@@ -1,0 +1,27 @@
+"""The attention layer as the model sees it: shapes in, the running backend does the work."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kestrel.core.forward_batch import ForwardBatch
+
+
+class AttentionLayer(nn.Module):
+    """Holds what a backend needs to know about one layer; has no weights."""
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scaling: float, sliding_window: int | None = None) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        self.layer_id = layer_id
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = scaling
+        # A query at position i sees keys at positions j with i - j < sliding_window.
+        self.sliding_window = sliding_window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return batch.attn_backend.forward(q, k, v, self, batch)

@@ -1,0 +1,62 @@
+"""Rotary position embedding, neox style (rotate-half), with a cos/sin cache over positions."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kestrel.models.arch_config import RopeConfig
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """float32 [head_dim // 2] inverse frequencies, scaled as `rope.rope_type` asks."""
+    if rope.rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope.rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    inv_freq = 1.0 / rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_scale(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_band, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rope to q [T, H*D] and k [T, Hkv*D] at `positions` [T]; shapes and dtype are kept.
+
+    The cache is float32 [max_positions, D] (cos in the first half, sin in the second) and is not a
+    checkpoint parameter; cos/sin are cast to the activation dtype before use, as transformers does.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = inv_frequencies(head_dim, rope)
+        # Built on the default device: the loader constructs models under the target device.
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D/2], broadcast over heads
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x.view(x.shape[0], -1, self.head_dim)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(1)

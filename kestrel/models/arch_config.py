@@ -1,0 +1,128 @@
+"""The model architecture as kestrel needs it, parsed once from a HF `config.json` dict.
+
+Checkpoints in the wild use either the transformers-4 rope keys (`rope_theta`, `rope_scaling`) or the
+transformers-5 ones (`rope_parameters: {"rope_type", "rope_theta", ...}`); both parse to the same
+`RopeConfig`. Rope types are validated where the rope is built (`layers/rotary.py`), so sizing the KV
+cache works for any config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Differences between the Llama-family architectures that the config does not spell out.
+_QWEN_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters; `factor` etc. only mean something for the scaled rope types."""
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """Llama-family architecture. `sliding_windows[i]` is layer i's window (None: full attention)."""
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: per-head RMSNorm on q and k before rope
+    rope: RopeConfig
+    sliding_windows: tuple[int | None, ...]
+    eos_token_ids: tuple[int, ...]
+
+
+def parse_arch_config(config: dict[str, Any]) -> ArchConfig:
+    """Validate and normalize a HF config dict; raises ValueError naming what is unsupported."""
+    archs = config.get("architectures") or []
+    if not archs:
+        raise ValueError("config.json has no `architectures` entry; cannot tell which model to build")
+    arch = archs[0]
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported; Llama-family models need 'silu'")
+    hidden = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    num_layers = config["num_hidden_layers"]
+    # Qwen3's config class defaults head_dim to 128 rather than hidden / heads.
+    default_head_dim = 128 if arch == "Qwen3ForCausalLM" else hidden // heads
+    attention_bias = bool(config.get("attention_bias", False))
+    # Qwen2 always has q/k/v bias (and no o_proj bias); Llama and Qwen3 put `attention_bias` on all four.
+    qkv_bias = True if arch == "Qwen2ForCausalLM" else attention_bias
+    o_proj_bias = attention_bias if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") else False
+    eos = config.get("eos_token_id")
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    return ArchConfig(
+        architecture=arch,
+        hidden_size=hidden,
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or default_head_dim,
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        vocab_size=config["vocab_size"],
+        max_position_embeddings=config.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_proj_bias=o_proj_bias,
+        mlp_bias=arch == "LlamaForCausalLM" and bool(config.get("mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        rope=_parse_rope(config),
+        sliding_windows=_sliding_windows(arch, config, num_layers),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _parse_rope(config: dict[str, Any]) -> RopeConfig:
+    # transformers 5 writes `rope_parameters`; transformers 4 writes `rope_theta` + optional `rope_scaling`.
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    # transformers 5 may also write a null top-level `rope_theta` next to `rope_parameters`.
+    theta = params.get("rope_theta") or config.get("rope_theta") or 10000.0
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    original_max = params.get("original_max_position_embeddings")
+    if rope_type == "llama3" and original_max is None:
+        # transformers falls back to the model's max length when the checkpoint omits it.
+        original_max = config.get("max_position_embeddings")
+    return RopeConfig(
+        rope_type=rope_type,
+        theta=float(theta),
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=original_max,
+    )
+
+
+def _sliding_windows(arch: str, config: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer window, matching transformers: Mistral windows every layer when `sliding_window` is
+    set; Qwen2/3 only with `use_sliding_window`, on layers marked "sliding_attention" (by default
+    those from `max_window_layers` on); Llama never."""
+    window = config.get("sliding_window")
+    if arch == "MistralForCausalLM":
+        return (window,) * num_layers
+    if arch in _QWEN_ARCHS and window is not None and config.get("use_sliding_window", False):
+        layer_types = config.get("layer_types") or [
+            "sliding_attention" if i >= config.get("max_window_layers", 28) else "full_attention"
+            for i in range(num_layers)
+        ]
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return (None,) * num_layers

@@ -1,0 +1,103 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3): one class, differences driven by `ArchConfig`.
+
+Parameter names mirror transformers' (`model.layers.N.self_attn.q_proj.weight`, ...) so loading a
+checkpoint is a copy by name. Activations are flat: T tokens of all requests concatenated.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kestrel.core.forward_batch import ForwardBatch
+from kestrel.layers.activation import SiluAndMul
+from kestrel.layers.attention import AttentionLayer
+from kestrel.layers.norm import RMSNorm
+from kestrel.layers.rotary import RotaryEmbedding
+from kestrel.models.arch_config import ArchConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, heads * head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_heads * head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_heads * head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(heads * head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.head_dim = head_dim
+        self.rotary_emb = rotary  # one module shared by all layers; its cache is not in the state dict
+        self.attn = AttentionLayer(layer_id, heads, kv_heads, head_dim, head_dim ** -0.5,
+                                   sliding_window=cfg.sliding_windows[layer_id])
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        if self.qk_norm:
+            q = self.q_norm(q.view(q.shape[0], -1, self.head_dim)).flatten(1)
+            k = self.k_norm(k.view(k.shape[0], -1, self.head_dim)).flatten(1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, batch))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The concat goes away once gate/up are merged into one projection.
+        return self.down_proj(self.act_fn(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), batch)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary_emb) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, batch)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward: input_ids [T], positions [T] -> final-normed hidden [T, hidden];
+    compute_logits: hidden [N, hidden] -> float32 logits [N, vocab]."""
+
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        # Tied checkpoints reuse the embedding; no separate lm_head parameter is created.
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,87 @@
+"""HF checkpoint directory (config.json + safetensors, single or sharded) -> model on a device."""
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from kestrel.models.arch_config import ArchConfig, parse_arch_config
+from kestrel.models.registry import model_class
+
+# Buffers some checkpoints store that kestrel recomputes (rope frequencies).
+_HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_config(model_path: str | Path) -> dict:
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; model_path must be a HF model directory")
+    return json.loads(path.read_text())
+
+
+def read_arch_config(model_path: str | Path) -> ArchConfig:
+    """What the engine needs to size the KV cache and stop generation (layers, KV heads, head dim,
+    vocab, eos ids), without building the model."""
+    return parse_arch_config(read_config(model_path))
+
+
+def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """Build the model directly on `device` in `dtype` and copy the checkpoint into it by name.
+
+    Raises ValueError listing missing or unexpected parameter names.
+    """
+    config = read_config(model_path)
+    cls = model_class(config.get("architectures") or [])
+    cfg = parse_arch_config(config)
+    with torch.device(device), _default_dtype(dtype):
+        model = cls(cfg)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for name, tensor in _checkpoint_tensors(Path(model_path)):
+            if name.endswith(_HARMLESS_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            param = params.get(name)
+            if param is None:
+                unexpected.append(name)
+                continue
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
+            param.copy_(tensor)  # casts to the model dtype and moves to its device
+            loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint at {model_path} does not match {cfg.architecture}: "
+                         f"missing {missing}, unexpected {sorted(unexpected)}")
+    return model.eval()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _checkpoint_tensors(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor in `model.safetensors` or the shards of its index."""
+    index = model_path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (model_path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_path}")
+    for file in files:
+        with safe_open(str(model_path / file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

@@ -1,0 +1,26 @@
+"""HF `architectures` names -> kestrel model classes."""
+from __future__ import annotations
+
+from torch import nn
+
+from kestrel.models.llama import LlamaForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def model_class(architectures: list[str]) -> type[nn.Module]:
+    """The class for the first supported name in `architectures` (a config.json field)."""
+    for name in architectures:
+        if name in _MODELS:
+            return _MODELS[name]
+    raise ValueError(f"unsupported model architectures {architectures}; "
+                     f"supported: {', '.join(supported_architectures())}")

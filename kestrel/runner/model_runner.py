@@ -1,0 +1,99 @@
+"""Loads the model, owns the KV memory, turns a scheduled batch into a forward."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kestrel.attention.registry import attention_backends, create_backend
+from kestrel.cache.allocator import TokenToKVPoolAllocator
+from kestrel.cache.kv_pool import KVPool
+from kestrel.cache.req_to_token import ReqToTokenPool
+from kestrel.config import EngineConfig
+from kestrel.core.forward_batch import ForwardBatch
+from kestrel.core.forward_mode import ForwardMode
+from kestrel.core.request import Request
+from kestrel.models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        assert config.resolved, "ModelRunner needs a resolved EngineConfig"
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.model.dtype)
+        self.model = load_model(config.model.model, self.dtype, self.device)
+        arch = self.model.config
+        self.vocab_size = arch.vocab_size
+
+        # ---- KV memory -----------------------------------------------------------------------
+        page = config.cache.page_size
+        per_token = KVPool.bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
+                                           self.dtype)
+        size = config.cache.max_total_tokens or self._tokens_fitting_memory(per_token)
+        self.allocator = TokenToKVPoolAllocator(size, page, self.device)
+        self.kv_pool = KVPool(arch.num_hidden_layers, (self.allocator.num_pages + 1) * page,
+                              arch.num_key_value_heads, arch.head_dim, self.dtype, self.device)
+        # A request never holds more tokens than the pool or the context.
+        self.max_req_len = min(config.model.context_length, self.allocator.size)
+        self.req_to_token = ReqToTokenPool(config.scheduler.max_running_requests + 1, self.max_req_len + 1,
+                                           self.device)
+        logger.info("KV pool: %d tokens (%.2f GiB), page size %d", self.allocator.size,
+                    self.allocator.size * per_token / 2**30, page)
+
+        # ---- attention -----------------------------------------------------------------------
+        pair = attention_backends(config)
+        self.prefill_backend = create_backend(pair.prefill, self.kv_pool, self.req_to_token)
+        self.decode_backend = (self.prefill_backend if pair.decode == pair.prefill
+                               else create_backend(pair.decode, self.kv_pool, self.req_to_token))
+
+    def _tokens_fitting_memory(self, per_token: int) -> int:
+        """KV pool size on CUDA: what is free after the weights, minus the share kept for activations."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = free - total * (1 - self.config.cache.mem_fraction_static)
+        tokens = int(budget // per_token)
+        if tokens < self.config.cache.page_size:
+            raise ValueError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free); "
+                             "raise mem_fraction_static or set max_total_tokens")
+        return tokens
+
+    def backend_for(self, mode: ForwardMode):
+        return self.decode_backend if mode in (ForwardMode.DECODE, ForwardMode.IDLE) else self.prefill_backend
+
+    def build_batch(self, mode: ForwardMode, reqs: list[Request]) -> ForwardBatch:
+        """Flatten the requests' new tokens; their slots are already in req_to_token."""
+        input_ids, positions, prefix, extend = [], [], [], []
+        for req in reqs:
+            fill = req.fill_ids
+            input_ids += fill[req.kv_len:req.kv_len + req.extend_len]
+            positions += range(req.kv_len, req.kv_len + req.extend_len)
+            prefix.append(req.kv_len)
+            extend.append(req.extend_len)
+        seq = [p + e for p, e in zip(prefix, extend)]
+        dev = self.device
+
+        def t(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=dev)
+
+        pool_idx = t([r.req_pool_idx for r in reqs])
+        rows = self.req_to_token.table[pool_idx]
+        pos = t(positions)
+        token_req = torch.repeat_interleave(torch.arange(len(reqs), device=dev), t(extend))
+        out_cache_loc = rows[token_req, pos]
+        ends = torch.cumsum(t(extend), 0)
+        batch = ForwardBatch(
+            forward_mode=mode, input_ids=t(input_ids), positions=pos, out_cache_loc=out_cache_loc,
+            req_pool_indices=pool_idx, seq_lens=t(seq), prefix_lens=t(prefix), extend_lens=t(extend),
+            seq_lens_cpu=seq, prefix_lens_cpu=prefix, extend_lens_cpu=extend, logits_indices=ends - 1,
+            attn_backend=self.backend_for(mode))
+        return batch
+
+    @torch.inference_mode()
+    def forward(self, mode: ForwardMode, reqs: list[Request]) -> torch.Tensor:
+        """Logits [len(reqs), vocab] (float32) at each request's last new token."""
+        batch = self.build_batch(mode, reqs)
+        batch.attn_backend.init_forward_metadata(batch)
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        return self.model.compute_logits(hidden[batch.logits_indices])

@@ -1,0 +1,169 @@
+"""Engine end to end on CPU against transformers and against itself under other schedules."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kestrel import Engine, SamplingParams
+from tests.e2e.conftest import ARCHS, assert_pool_full, hf_greedy
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def prompts_with_shared_prefixes(n: int, vocab: int = 512, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    base = [rng.randrange(3, vocab) for _ in range(40)]
+    out = []
+    for i in range(n):
+        shared = base[: rng.randrange(0, 40)] if i % 2 else []
+        out.append(shared + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 30))])
+    return out
+
+
+def run(model: str, prompts: list[list[int]], params: SamplingParams = GREEDY, **options) -> list[list[int]]:
+    with Engine(model=model, device="cpu", dtype="float32", **options) as engine:
+        outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert_pool_full(engine)
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_transformers(tiny_model, arch):
+    model = tiny_model(arch)
+    prompts = prompts_with_shared_prefixes(6)
+    assert run(model, prompts) == hf_greedy(model, prompts, GREEDY.max_new_tokens)
+
+
+def test_rope_scaling_and_tied_embeddings_match_transformers(tiny_model):
+    model = tiny_model("llama", tie=True, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16})
+    prompts = prompts_with_shared_prefixes(3, seed=1)
+    assert run(model, prompts) == hf_greedy(model, prompts, GREEDY.max_new_tokens)
+
+
+def test_chunked_prefill_and_mixed_batches_equal_whole_prefill(tiny_model):
+    model = tiny_model("qwen3")
+    prompts = prompts_with_shared_prefixes(5, seed=2)
+    whole = run(model, prompts, chunked_prefill_size=-1)
+    assert run(model, prompts, chunked_prefill_size=7) == whole
+    assert run(model, prompts, chunked_prefill_size=5, enable_mixed_chunk=True) == whole
+    assert run(model, prompts, page_size=4, chunked_prefill_size=6) == whole
+
+
+def test_radix_hit_equals_cold_run_and_reports_cached_tokens(tiny_model):
+    model = tiny_model("llama")
+    first = list(range(10, 60))
+    follow = [first + [7, 8, 9], first[:30] + [5]]
+    cold = run(model, follow, disable_radix_cache=True)
+    with Engine(model=model, device="cpu", dtype="float32") as engine:
+        engine.generate(prompt_token_ids=[first], sampling_params=GREEDY)
+        outs = engine.generate(prompt_token_ids=follow, sampling_params=GREEDY)
+        assert [o.token_ids for o in outs] == cold
+        assert outs[0].meta["cached_tokens"] == len(first)
+        assert outs[1].meta["cached_tokens"] == 30
+        assert_pool_full(engine)
+
+
+def test_tiny_kv_budget_retracts_and_still_gives_same_tokens(tiny_model):
+    model = tiny_model("qwen2")
+    prompts = prompts_with_shared_prefixes(8, seed=3)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    roomy = run(model, prompts, params)
+    with Engine(model=model, device="cpu", dtype="float32", max_total_tokens=96) as engine:
+        outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert engine.scheduler.num_retractions > 0
+        assert_pool_full(engine)
+    assert [o.token_ids for o in outs] == roomy
+
+
+def test_same_seed_same_tokens_alone_or_batched(tiny_model):
+    model = tiny_model("mistral")
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    other = SamplingParams(max_new_tokens=20, temperature=0.8, seed=7, ignore_eos=True)
+    target = [11, 22, 33, 44]
+    with Engine(model=model, device="cpu", dtype="float32") as engine:
+        alone = engine.generate(prompt_token_ids=[target], sampling_params=params)[0].token_ids
+        mixed = engine.generate(prompt_token_ids=[[5, 6, 7, 8, 9, 10], target, [3] * 20],
+                                sampling_params=[other, params, other])
+        assert mixed[1].token_ids == alone
+        reseeded = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True)
+        assert engine.generate(prompt_token_ids=[target], sampling_params=reseeded)[0].token_ids != alone
+    # Retraction must not change sampled tokens either.
+    assert run(model, [[5] * 30, target, [9] * 30], [other, params, other], max_total_tokens=64)[1] == alone
+
+
+def test_abort_frees_kv_and_others_finish(tiny_model):
+    model = tiny_model("llama")
+    with Engine(model=model, device="cpu", dtype="float32") as engine:
+        params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+        rids = [engine.add_request(prompt_token_ids=[i + 3] * (5 + i), sampling_params=params) for i in range(4)]
+        for _ in range(3):
+            engine.step()
+        assert engine.abort(rids[1])
+        assert not engine.abort("no-such-request")
+        while engine.scheduler.has_work():
+            engine.step()
+        outs = {rid: engine.output(engine._pop(rid)) for rid in rids}
+        assert outs[rids[1]].meta["finish_reason"] == "abort"
+        assert all(len(outs[r].token_ids) == 20 for r in rids if r != rids[1])
+        assert_pool_full(engine)
+
+
+@pytest.mark.parametrize("bad", [
+    {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": 0}, {"max_new_tokens": -1},
+    {"min_p": 2.0}, {"logprobs": 50},
+])
+def test_invalid_sampling_params_raise_value_error_and_engine_keeps_serving(tiny_model, bad):
+    model = tiny_model("llama")
+    with Engine(model=model, device="cpu", dtype="float32") as engine:
+        field = next(iter(bad))
+        with pytest.raises(ValueError, match=field):
+            engine.generate(prompt_token_ids=[[1, 2, 3], [4, 5]],
+                            sampling_params=[GREEDY, SamplingParams(**bad)])
+        assert len(engine.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=GREEDY)[0].token_ids) == 12
+        assert_pool_full(engine)
+
+
+def test_prompt_too_long_and_bad_token_ids_raise(tiny_model):
+    model = tiny_model("llama")
+    with Engine(model=model, device="cpu", dtype="float32", context_length=64) as engine:
+        with pytest.raises(ValueError, match="context length"):
+            engine.generate(prompt_token_ids=[[1] * 64], sampling_params=GREEDY)
+        with pytest.raises(ValueError, match="prompt_token_ids"):
+            engine.generate(prompt_token_ids=[[1, 10**6]], sampling_params=GREEDY)
+        with pytest.raises(ValueError, match="empty"):
+            engine.generate(prompt_token_ids=[[]], sampling_params=GREEDY)
+        # Running into the context length ends the request with "length".
+        out = engine.generate(prompt_token_ids=[[1] * 60],
+                              sampling_params=SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))[0]
+        assert len(out.token_ids) == 4 and out.meta["finish_reason"] == "length"
+
+
+def test_text_prompts_stop_strings_and_logprobs(tiny_model):
+    model = tiny_model("llama")
+    with Engine(model=model, device="cpu", dtype="float32") as engine:
+        params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+        out = engine.generate("def hello(name):", params)[0]
+        assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True,
+                                                   clean_up_tokenization_spaces=False)
+        assert out.meta["finish_reason"] == "length" and out.meta["prompt_tokens"] > 0
+        assert len(out.meta["output_top_logprobs"]) == 16
+        assert all(len(top) == 3 for top in out.meta["output_top_logprobs"])
+        # Greedy picks the top token, so its logprob is the first of the top-n.
+        assert all(abs(lp - top[0][1]) < 1e-5 for (lp, _), top in
+                   zip(out.meta["output_token_logprobs"], out.meta["output_top_logprobs"]))
+        stop = out.text[len(out.text) // 2:][:3]
+        if stop.strip():
+            stopped = engine.generate("def hello(name):", SamplingParams(
+                max_new_tokens=16, temperature=0.0, ignore_eos=True, stop=stop))[0]
+            assert stopped.meta["finish_reason"] == "stop" and stopped.meta["matched_stop"] == stop
+            assert stopped.text == out.text[:out.text.index(stop)]
+        # A stop token id ends the request and is reported.
+        stop_id = out.token_ids[5]
+        stopped = engine.generate("def hello(name):", SamplingParams(
+            max_new_tokens=16, temperature=0.0, stop_token_ids=[stop_id]))[0]
+        assert stopped.token_ids == out.token_ids[:out.token_ids.index(stop_id) + 1]
+        assert stopped.meta["matched_stop"] == stop_id
+        assert_pool_full(engine)
