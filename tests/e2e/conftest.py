@@ -29,6 +29,8 @@ def hf_greedy(model_path: str, prompts: list[list[int]], max_new_tokens: int) ->
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    # generate() merges the model's own generation config into ours; drop its eos so it never stops.
+    model.generation_config.eos_token_id = None
     gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
                            eos_token_id=None, pad_token_id=0)
     outs = []

@@ -1,0 +1,36 @@
+"""The engine on CUDA equals transformers' greedy tokens (float32) and runs in bfloat16."""
+from __future__ import annotations
+
+import pytest
+
+from kestrel import Engine, SamplingParams
+from tests.e2e.conftest import ARCHS, assert_pool_full, hf_greedy
+from tests.e2e.test_engine import prompts_with_shared_prefixes
+from tests.tiny_models import make_tiny_model
+
+PARAMS = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_float32_greedy_matches_transformers(tmp_path, arch):
+    model = str(make_tiny_model(arch, tmp_path, with_tokenizer=True))
+    prompts = prompts_with_shared_prefixes(8, seed=4)
+    expected = hf_greedy(model, prompts, PARAMS.max_new_tokens)
+    with Engine(model=model, device="cuda", dtype="float32", max_total_tokens=4096, chunked_prefill_size=16) as e:
+        assert e.runner.device.type == "cuda"
+        assert [o.token_ids for o in e.generate(prompt_token_ids=prompts, sampling_params=PARAMS)] == expected
+        assert_pool_full(e)
+
+
+def test_cuda_bfloat16_with_memory_sized_pool(tmp_path):
+    model = str(make_tiny_model("qwen3", tmp_path, with_tokenizer=True, hidden_size=256, intermediate_size=512,
+                                num_attention_heads=8, num_key_value_heads=4, head_dim=32))
+    prompts = prompts_with_shared_prefixes(8, seed=5)
+    with Engine(model=model, mem_fraction_static=0.3) as e:  # device and dtype resolve to cuda / bfloat16
+        assert e.config.device == "cuda" and e.config.model.dtype == "bfloat16"
+        assert e.runner.allocator.size > 100_000
+        outs = e.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+        assert all(len(o.token_ids) == 16 for o in outs)
+        again = e.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+        assert all(o.meta["cached_tokens"] > 0 for o in again)
+        assert [o.token_ids for o in again] == [o.token_ids for o in outs]

@@ -1,0 +1,55 @@
+"""EngineConfig resolution and the attention resolver."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kestrel.attention.registry import attention_backends
+from kestrel.config import EngineConfig
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                     "max_position_embeddings": 128}))
+    return str(tmp_path)
+
+
+def resolve(model_dir, **kw) -> EngineConfig:
+    return EngineConfig.from_flat(model=model_dir, device="cpu", **kw).resolve()
+
+
+def test_resolve_fills_every_automatic_choice(model_dir):
+    c = resolve(model_dir)
+    assert c.resolved and c.device == "cpu" and c.model.dtype == "float32"
+    assert c.model.context_length == 128 and c.cache.max_total_tokens == 32768
+    assert c.scheduler.chunked_prefill_size > 0 and c.scheduler.max_running_requests > 0
+    assert c.attention.attention_backend is None  # the base stays an input, never filled in
+
+
+@pytest.mark.parametrize("fields", [{}, {"attention_backend": "sdpa"}, {"prefill_attention_backend": "sdpa"},
+                                    {"decode_attention_backend": "torch_native"}])
+def test_resolver_never_returns_none_and_maps_aliases(model_dir, fields):
+    pair = attention_backends(resolve(model_dir, **fields))
+    assert pair.prefill == pair.decode == "torch_native"
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"dtype": "float8"}, "dtype"), ({"page_size": 0}, "page_size"), ({"max_total_tokens": 0}, "max_total_tokens"),
+    ({"chunked_prefill_size": 0}, "chunked_prefill_size"), ({"mem_fraction_static": 1.5}, "mem_fraction_static"),
+    ({"max_running_requests": 0}, "max_running_requests"), ({"speculative_attention_mode": "both"},
+                                                            "speculative_attention_mode"),
+])
+def test_bad_values_name_the_field(model_dir, bad, field):
+    with pytest.raises(ValueError, match=field):
+        resolve(model_dir, **bad)
+
+
+def test_device_cuda_without_a_gpu_is_a_clear_error(model_dir):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        EngineConfig.from_flat(model=model_dir, device="cuda").resolve()
