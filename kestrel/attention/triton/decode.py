@@ -1,0 +1,117 @@
+"""Paged decode attention, split-K: one new token per request attends to its whole KV row.
+
+Stage 1 splits each request's keys into `num_splits` chunks; one program handles every query head
+of a KV head (GQA) on one chunk and writes a partial output and its log-sum-exp. Stage 2 merges the
+chunks. Splitting keeps the GPU busy when the batch is small and the sequences long.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_partial_kernel(
+    Q, K, V, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_row,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, sm_scale, window, num_splits,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(seq_lens + b)
+    row = tl.load(req_pool_indices + b)
+    chunk = tl.cdiv(seq, num_splits)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq)
+    if USE_WINDOW:  # the query sits at position seq - 1
+        lo = tl.maximum(lo, seq - window)
+
+    offs_g = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + offs_g
+    h_mask = offs_g < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:  # the interpreter computes bf16 wrong: work in float32 there
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        slots = tl.load(req_to_token + row * stride_row + offs_n, mask=n_mask, other=0)
+        k = tl.load(K + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * sm_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # An empty chunk (short sequence, or outside the window) gets lse = -inf and weight 0 in stage 2.
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_i))
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_base = b * stride_mb + heads * stride_mh + split * stride_ms
+    tl.store(mid_o + o_base[:, None] + offs_d[None, :], out, mask=h_mask[:, None] & d_mask[None, :])
+    tl.store(mid_lse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    mid_o, mid_lse, O, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ot, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(mid_lse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m))
+    parts = tl.load(mid_o + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(O + b * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor,
+                     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                     sm_scale: float, sliding_window: int | None, upcast: bool, num_splits: int,
+                     block_n: int = 64) -> None:
+    """q/out: [B, num_heads, head_dim] (one token per request); k_buf/v_buf: [slots, num_kv_heads, head_dim]."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_buf.shape[1]
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    mid_o = torch.empty((batch, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    _decode_partial_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_buf, v_buf, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+        mid_lse.stride(1), sm_scale, sliding_window or 0, num_splits,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_N=block_n, USE_WINDOW=sliding_window is not None, UPCAST=upcast,
+    )
+    _decode_merge_kernel[(batch, num_heads)](
+        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+        mid_lse.stride(1), out.stride(0), out.stride(1),
+        num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+    )

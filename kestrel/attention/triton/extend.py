@@ -1,0 +1,94 @@
+"""Paged extend attention: each request's new tokens attend to its cached prefix and to themselves.
+
+The new tokens' K/V are already in the pool, so one loop over the request's `req_to_token` row covers
+prefix and new tokens alike. Grid: (request, query head, block of new tokens); variable lengths in one
+launch. Online softmax in float32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, O, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_row,
+    sm_scale, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    m_block = tl.program_id(2)
+    extend = tl.load(extend_lens + b)
+    if m_block * BLOCK_M < extend:
+        prefix = tl.load(prefix_lens + b)
+        q_start = tl.load(q_starts + b)
+        row = tl.load(req_pool_indices + b)
+        kv_head = h // GROUP
+
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        m_mask = offs_m < extend
+        d_mask = offs_d < HEAD_DIM
+        q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        if UPCAST:  # the interpreter computes bf16 wrong: work in float32 there
+            q = q.to(tl.float32)
+        q_pos = prefix + offs_m
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # Keys up to the last query position of this block; earlier ones outside the window are skipped.
+        end = prefix + tl.minimum(extend, (m_block + 1) * BLOCK_M)
+        start = 0
+        if USE_WINDOW:
+            start = tl.maximum(prefix + m_block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < end
+            slots = tl.load(req_to_token + row * stride_row + offs_n, mask=n_mask, other=0)
+            k = tl.load(K + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k)) * sm_scale
+            visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            if USE_WINDOW:
+                visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # Rows that have seen no visible key yet keep m = -inf; shift by 0 so exp() stays finite.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor,
+                     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
+                     extend_lens: torch.Tensor, q_starts: torch.Tensor, max_extend: int, sm_scale: float,
+                     sliding_window: int | None, upcast: bool, block_m: int = 64, block_n: int = 64) -> None:
+    """q/out: [T, num_heads, head_dim]; k_buf/v_buf: [slots, num_kv_heads, head_dim]; lens per request."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // k_buf.shape[1]
+    grid = (extend_lens.shape[0], num_heads, triton.cdiv(max_extend, block_m))
+    _extend_kernel[grid](
+        q, k_buf, v_buf, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        out.stride(0), out.stride(1), req_to_token.stride(0),
+        sm_scale, sliding_window or 0,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None, UPCAST=upcast,
+    )

@@ -1,0 +1,55 @@
+"""Triton attention backend: paged extend and split-K decode kernels over the shared KV pool."""
+from __future__ import annotations
+
+import torch
+
+from kestrel.cache.kv_pool import KVPool
+from kestrel.cache.req_to_token import ReqToTokenPool
+from kestrel.core.forward_batch import ForwardBatch
+from kestrel.core.forward_mode import ForwardMode
+from kestrel.layers.attention import AttentionLayer
+
+
+class TritonBackend:
+    """DECODE batches go to the split-K decode kernel; every other mode to the extend kernel."""
+
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, upcast: bool,
+                 name: str = "triton") -> None:
+        self.name = name
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.upcast = upcast  # the interpreter computes bf16/fp16 dots wrong: upcast after load there
+        self._q_starts: torch.Tensor | None = None
+        self._max_extend = 0
+        self._num_splits = 1
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.forward_mode is ForwardMode.DECODE:
+            # Enough chunks of >= 256 keys to fill the GPU when the batch is small.
+            longest = max(batch.seq_lens_cpu)
+            self._num_splits = max(1, min(16, longest // 256, 128 // max(1, batch.batch_size)))
+        else:
+            self._q_starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
+            self._max_extend = max(batch.extend_lens_cpu)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
+                batch: ForwardBatch) -> torch.Tensor:
+        from kestrel.attention.triton.decode import decode_attention
+        from kestrel.attention.triton.extend import extend_attention
+
+        self.kv_pool.write(layer.layer_id, batch.out_cache_loc,
+                           k.view(-1, layer.num_kv_heads, layer.head_dim),
+                           v.view(-1, layer.num_kv_heads, layer.head_dim))
+        q = q.view(-1, layer.num_heads, layer.head_dim)
+        out = torch.empty_like(q)
+        k_buf = self.kv_pool.k_buffers[layer.layer_id]
+        v_buf = self.kv_pool.v_buffers[layer.layer_id]
+        table = self.req_to_token.table
+        if batch.forward_mode is ForwardMode.DECODE:
+            decode_attention(q, k_buf, v_buf, out, table, batch.req_pool_indices, batch.seq_lens,
+                             layer.scaling, layer.sliding_window, self.upcast, self._num_splits)
+        else:
+            extend_attention(q, k_buf, v_buf, out, table, batch.req_pool_indices, batch.prefix_lens,
+                             batch.extend_lens, self._q_starts, self._max_extend, layer.scaling,
+                             layer.sliding_window, self.upcast)
+        return out.view(-1, layer.num_heads * layer.head_dim)
