@@ -61,6 +61,13 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _explain(args: argparse.Namespace) -> int:
+    from kestrel.attention.explain import explain_plan
+
+    print(explain_plan(config_from_args(args).resolve()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kestrel", description="a compact LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,11 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
+    explain = sub.add_parser("explain", help="print the resolved attention plan without loading weights")
+    add_engine_flags(explain)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, (args.log_level or "info").upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return _generate(args)
+        return {"generate": _generate, "explain": _explain}[args.command](args)
     except (ValueError, FileNotFoundError) as e:
         print(f"kestrel: error: {e}", file=sys.stderr)
         return 2

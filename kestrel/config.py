@@ -17,7 +17,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = ""
+    model: str = "demo"  # a Hugging Face model folder, or a bundled model's name (kestrel.assets)
     tokenizer: str | None = None  # defaults to the model folder
     dtype: str = "auto"
     load_format: str = "auto"
@@ -114,11 +114,14 @@ class EngineConfig:
             return self
         import torch
 
+        from kestrel.assets import resolve_model_path
+        from kestrel.attention.decisions import extend_prefix_reuse, library_requirements
         from kestrel.attention.registry import attention_backends
 
         if not self.model.model:
             raise ValueError("model is required: a Hugging Face model folder")
-        hf = read_hf_config(self.model.model)
+        model_path = resolve_model_path(self.model.model)
+        hf = read_hf_config(model_path)
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -171,10 +174,28 @@ class EngineConfig:
             raise ValueError(f"tp_size must be 1 for now, got {self.parallel.tp_size}")
         out = dataclasses.replace(
             self, device=device, cache=cache, scheduler=scheduler,
-            model=dataclasses.replace(self.model, dtype=dtype, context_length=context_length),
+            model=dataclasses.replace(self.model, model=model_path, dtype=dtype, context_length=context_length),
             resolved=True)
         attention_backends(out)  # unknown or unavailable backends fail here, at start-up
+        _check_library_floors(library_requirements(out))
+        if not extend_prefix_reuse(out):
+            # The prefill backend cannot attend over a cached prefix: no radix reuse, no chunking.
+            out = dataclasses.replace(
+                out, cache=dataclasses.replace(out.cache, disable_radix_cache=True),
+                scheduler=dataclasses.replace(out.scheduler, chunked_prefill_size=-1))
         return out
+
+
+def _check_library_floors(floors: dict[str, str]) -> None:
+    from importlib.metadata import version
+
+    def parts(v: str) -> tuple[int, ...]:
+        return tuple(int(p) for p in v.split("+")[0].split(".")[:2] if p.isdigit())
+
+    for package, floor in floors.items():
+        have = version(package)
+        if parts(have) < parts(floor):
+            raise ValueError(f"the attention backend needs {package} >= {floor}, found {have}")
 
 
 def read_hf_config(model: str) -> dict[str, Any]:

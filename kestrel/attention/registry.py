@@ -1,12 +1,14 @@
 """Attention backend registry and the resolver of the three attention fields.
 
 `attention_backends()` is the only code that reads `AttentionConfig.attention_backend` (the base):
-everything else asks for the resolved half it needs.
+everything else asks for the resolved half it needs (see `decisions.py`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
+
+from kestrel import envs
 
 if TYPE_CHECKING:
     from kestrel.cache.kv_pool import KVPool
@@ -18,35 +20,72 @@ ALIASES = {"sdpa": "torch_native"}
 
 @dataclass(frozen=True)
 class BackendEntry:
-    """`factory(kv_pool, req_to_token)` returns (effective name, backend); `unavailable(config)` a reason or None."""
+    """A registered backend.
 
-    factory: Callable[["KVPool", "ReqToTokenPool"], tuple[str, object]]
+    `factory(kv_pool, req_to_token, config)` returns (effective name, backend): the name of what it
+    really built, which is also the backend's stamp. `unavailable(config)` returns why the backend
+    cannot run for this device/model, or None. The capability flags feed `decisions.py`.
+    """
+
+    factory: Callable[["KVPool", "ReqToTokenPool", "EngineConfig"], tuple[str, object]]
     unavailable: Callable[["EngineConfig"], str | None]
+    extend_prefix: bool = True  # extend can start after a cached prefix (radix reuse, chunked prefill)
+    triton_kernels: bool = False  # runs Triton kernels, so shared Triton kernels may run beside it
+    library: tuple[str, str] | None = None  # (package, minimum version) the backend needs
+    serves: frozenset[str] = field(default_factory=lambda: frozenset({"prefill", "decode"}))
 
 
 REGISTRY: dict[str, BackendEntry] = {}
 
 
-def register(name: str, unavailable: Callable[["EngineConfig"], str | None] = lambda config: None):
+def register(name: str, **entry_fields):
     def wrap(factory):
-        REGISTRY[name] = BackendEntry(factory, unavailable)
+        REGISTRY[name] = BackendEntry(factory, **entry_fields)
         return factory
     return wrap
 
 
-@register("torch_native")
-def _torch_native(kv_pool, req_to_token):
+# ---- backends ------------------------------------------------------------------------------------
+@register("torch_native", unavailable=lambda config: None)
+def _torch_native(kv_pool, req_to_token, config):
     from kestrel.attention.torch_native import TorchNativeBackend
 
-    return "torch_native", TorchNativeBackend(kv_pool, req_to_token)
+    return "torch_native", TorchNativeBackend(kv_pool, req_to_token, name="torch_native")
 
 
+def _triton_unavailable(config: "EngineConfig") -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "the triton package is not installed (pip install 'kestrel[triton]')"
+    if config.device == "cpu" and not envs.triton_interpret():
+        return "triton kernels need a CUDA device (or TRITON_INTERPRET=1 for the slow CPU interpreter)"
+    return None
+
+
+@register("triton", unavailable=_triton_unavailable, triton_kernels=True, library=("triton", "3.1"))
+def _triton(kv_pool, req_to_token, config):
+    from kestrel.attention.triton_backend import TritonBackend
+
+    return "triton", TritonBackend(kv_pool, req_to_token, upcast=config.device == "cpu", name="triton")
+
+
+# ---- resolution ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AttentionBackends:
     """Canonical backend names for the two halves; never None."""
 
     prefill: str
     decode: str
+
+
+@dataclass(frozen=True)
+class HalfSource:
+    """Where a half's name came from, for `kestrel explain`."""
+
+    name: str
+    field: str  # the config field that supplied it, or "default"
+    given: str | None  # the name as written, before alias mapping
 
 
 def canonical(name: str) -> str:
@@ -59,24 +98,53 @@ def canonical(name: str) -> str:
 
 
 def default_backend(config: "EngineConfig") -> str:
+    """Triton on CUDA when it is installed; the portable reference everywhere else."""
+    if config.device != "cpu" and REGISTRY["triton"].unavailable(config) is None:
+        return "triton"
     return "torch_native"
 
 
-def attention_backends(config: "EngineConfig") -> AttentionBackends:
+def resolve_sources(config: "EngineConfig") -> tuple[HalfSource, HalfSource]:
     """Each half = its own field, else the base, else the default for this device and model."""
     a = config.attention
-    base = a.attention_backend
     halves = []
-    for own in (a.prefill_attention_backend, a.decode_attention_backend):
-        name = canonical(own or base or default_backend(config))
-        reason = REGISTRY[name].unavailable(config)
+    for phase, own_field in (("prefill", "prefill_attention_backend"), ("decode", "decode_attention_backend")):
+        own = getattr(a, own_field)
+        if own is not None:
+            given, source = own, own_field
+        elif a.attention_backend is not None:
+            given, source = a.attention_backend, "attention_backend"
+        else:
+            given, source = None, "default"
+        name = canonical(given) if given is not None else default_backend(config)
+        entry = REGISTRY[name]
+        reason = entry.unavailable(config)
         if reason is not None:
-            raise ValueError(f"attention backend {name!r} cannot run here: {reason}")
-        halves.append(name)
-    return AttentionBackends(prefill=halves[0], decode=halves[1])
+            raise ValueError(f"attention backend {name!r} (from {source}) cannot run here: {reason}")
+        if phase not in entry.serves:
+            raise ValueError(f"attention backend {name!r} (from {source}) cannot serve {phase}")
+        halves.append(HalfSource(name, source, given))
+    return halves[0], halves[1]
 
 
-def create_backend(name: str, kv_pool: "KVPool", req_to_token: "ReqToTokenPool"):
-    effective, backend = REGISTRY[canonical(name)].factory(kv_pool, req_to_token)
-    backend.name = effective
+def attention_backends(config: "EngineConfig") -> AttentionBackends:
+    prefill, decode = resolve_sources(config)
+    return AttentionBackends(prefill=prefill.name, decode=decode.name)
+
+
+def draft_attention_backends(config: "EngineConfig") -> AttentionBackends:
+    """The draft model's pair: its override for both halves if set, else the target's pair."""
+    override = config.speculative.speculative_draft_attention_backend
+    if override is None:
+        return attention_backends(config)
+    name = canonical(override)
+    reason = REGISTRY[name].unavailable(config)
+    if reason is not None:
+        raise ValueError(f"draft attention backend {name!r} cannot run here: {reason}")
+    return AttentionBackends(prefill=name, decode=name)
+
+
+def create_backend(name: str, kv_pool: "KVPool", req_to_token: "ReqToTokenPool", config: "EngineConfig"):
+    effective, backend = REGISTRY[canonical(name)].factory(kv_pool, req_to_token, config)
+    assert backend.name == effective, f"factory for {name!r} stamped {backend.name!r} but reported {effective!r}"
     return backend

@@ -29,6 +29,12 @@ class Engine:
         elif model or kwargs:
             raise TypeError("pass either config or model/engine options, not both")
         self.config = config = config.resolve()
+        if config.speculative.speculative_algorithm is not None:
+            raise ValueError("speculative decoding is not implemented yet; unset speculative_algorithm")
+        if logger.isEnabledFor(logging.DEBUG):
+            from kestrel.attention.explain import explain_plan
+
+            logger.debug("attention plan:\n%s", explain_plan(config))
 
         # ---- tokenizer ---------------------------------------------------------------------
         self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model, required=False)
@@ -48,6 +54,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._texts: dict[str, OutputText] = {}
         self._reqs: dict[str, Request] = {}
+        self._streamed: dict[str, int] = {}  # rid -> output tokens already returned by step_deltas()
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
@@ -112,6 +119,31 @@ class Engine:
                 req.output_top_logprobs.append(top)
             self._check_stop_strings(req)
         return sampled
+
+    def step_deltas(self, touched: Iterable[str] = ()) -> list[tuple[Request, int]]:
+        """One step (when there is work) for a caller that streams, such as the server's engine process.
+
+        Returns (request, start) for every request that got tokens or finished: its new tokens are
+        `req.output_ids[start:]` (its logprobs, the same slice). `touched` names the requests added or
+        aborted since the previous call, so that those finished without running (aborted, or
+        max_new_tokens=0) are reported too. A finished request is reported once, then forgotten.
+        """
+        reqs = self.step() if self.scheduler.has_work() else []
+        stepped = set(map(id, reqs))
+        for rid in touched:
+            req = self._reqs.get(rid)
+            if req is not None and req.finished and id(req) not in stepped:
+                reqs.append(req)
+                stepped.add(id(req))
+        news = []
+        for req in reqs:
+            news.append((req, self._streamed.get(req.rid, 0)))
+            if req.finished:
+                self._streamed.pop(req.rid, None)
+                self._pop(req.rid)
+            else:
+                self._streamed[req.rid] = len(req.output_ids)
+        return news
 
     def _check_stop_strings(self, req: Request) -> None:
         text = self._texts.get(req.rid)
@@ -181,6 +213,7 @@ class Engine:
             self.abort(rid)
         self._reqs.clear()
         self._texts.clear()
+        self._streamed.clear()
 
     def __enter__(self) -> "Engine":
         return self

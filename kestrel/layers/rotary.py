@@ -43,15 +43,21 @@ class RotaryEmbedding(nn.Module):
     checkpoint parameter; cos/sin are cast to the activation dtype before use, as transformers does.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, use_triton: bool = False) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.use_triton = use_triton  # decided by attention.decisions.shared_triton_kernel
         inv_freq = inv_frequencies(head_dim, rope)
         # Built on the default device: the loader constructs models under the target device.
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.use_triton:
+            from kestrel.layers.rope_triton import rope_triton
+
+            return (rope_triton(q, positions, self.cos_sin_cache, self.head_dim),
+                    rope_triton(k, positions, self.cos_sin_cache, self.head_dim))
         cos, sin = self.cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D/2], broadcast over heads
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

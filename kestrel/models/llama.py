@@ -70,10 +70,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, triton_rope: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope, use_triton=triton_rope)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary_emb) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -88,10 +88,10 @@ class LlamaForCausalLM(nn.Module):
     """forward: input_ids [T], positions [T] -> final-normed hidden [T, hidden];
     compute_logits: hidden [N, hidden] -> float32 logits [N, vocab]."""
 
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, triton_rope: bool = False) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, triton_rope)
         # Tied checkpoints reuse the embedding; no separate lm_head parameter is created.
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 

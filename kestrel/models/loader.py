@@ -30,8 +30,11 @@ def read_arch_config(model_path: str | Path) -> ArchConfig:
     return parse_arch_config(read_config(model_path))
 
 
-def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device | str,
+               triton_rope: bool = False) -> nn.Module:
     """Build the model directly on `device` in `dtype` and copy the checkpoint into it by name.
+
+    `triton_rope` picks the Triton rope kernel (see attention.decisions.shared_triton_kernel).
 
     Raises ValueError listing missing or unexpected parameter names.
     """
@@ -39,7 +42,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
     cls = model_class(config.get("architectures") or [])
     cfg = parse_arch_config(config)
     with torch.device(device), _default_dtype(dtype):
-        model = cls(cfg)
+        model = cls(cfg, triton_rope=triton_rope)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []

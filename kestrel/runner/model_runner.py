@@ -5,6 +5,8 @@ import logging
 
 import torch
 
+from kestrel.attention.decisions import shared_triton_kernel
+from kestrel.attention.hybrid import HybridBackend
 from kestrel.attention.registry import attention_backends, create_backend
 from kestrel.cache.allocator import TokenToKVPoolAllocator
 from kestrel.cache.kv_pool import KVPool
@@ -24,7 +26,8 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.model.dtype)
-        self.model = load_model(config.model.model, self.dtype, self.device)
+        self.model = load_model(config.model.model, self.dtype, self.device,
+                                triton_rope=shared_triton_kernel(config) and self.device.type == "cuda")
         arch = self.model.config
         self.vocab_size = arch.vocab_size
 
@@ -45,9 +48,13 @@ class ModelRunner:
 
         # ---- attention -----------------------------------------------------------------------
         pair = attention_backends(config)
-        self.prefill_backend = create_backend(pair.prefill, self.kv_pool, self.req_to_token)
-        self.decode_backend = (self.prefill_backend if pair.decode == pair.prefill
-                               else create_backend(pair.decode, self.kv_pool, self.req_to_token))
+        prefill = create_backend(pair.prefill, self.kv_pool, self.req_to_token, config)
+        if pair.decode == pair.prefill:
+            self.attn_backend = prefill  # one backend serves every mode: no hybrid wrapper
+        else:
+            decode = create_backend(pair.decode, self.kv_pool, self.req_to_token, config)
+            self.attn_backend = HybridBackend(prefill, decode, config.speculative.speculative_attention_mode)
+        logger.info("attention backend: %s", self.attn_backend.name)
 
     def _tokens_fitting_memory(self, per_token: int) -> int:
         """KV pool size on CUDA: what is free after the weights, minus the share kept for activations."""
@@ -58,9 +65,6 @@ class ModelRunner:
             raise ValueError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free); "
                              "raise mem_fraction_static or set max_total_tokens")
         return tokens
-
-    def backend_for(self, mode: ForwardMode):
-        return self.decode_backend if mode in (ForwardMode.DECODE, ForwardMode.IDLE) else self.prefill_backend
 
     def build_batch(self, mode: ForwardMode, reqs: list[Request]) -> ForwardBatch:
         """Flatten the requests' new tokens; their slots are already in req_to_token."""
@@ -87,7 +91,7 @@ class ModelRunner:
             forward_mode=mode, input_ids=t(input_ids), positions=pos, out_cache_loc=out_cache_loc,
             req_pool_indices=pool_idx, seq_lens=t(seq), prefix_lens=t(prefix), extend_lens=t(extend),
             seq_lens_cpu=seq, prefix_lens_cpu=prefix, extend_lens_cpu=extend, logits_indices=ends - 1,
-            attn_backend=self.backend_for(mode))
+            attn_backend=self.attn_backend)
         return batch
 
     @torch.inference_mode()
