@@ -17,7 +17,7 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_row,
     sm_scale, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -58,7 +58,7 @@ def _extend_kernel(
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k)) * sm_scale
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
             visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
             if USE_WINDOW:
                 visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
@@ -69,7 +69,7 @@ def _extend_kernel(
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -91,4 +91,6 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         sm_scale, sliding_window or 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None, UPCAST=upcast,
+        # float32 stays float32 (TF32 would drift from the reference); half types use tensor cores.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
