@@ -57,6 +57,12 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class CudaGraphConfig:
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 160  # decode batches up to this size replay a captured graph
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     tp_size: int = 1
 
@@ -71,7 +77,8 @@ class ServerConfig:
 
 SECTIONS = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "attention": AttentionConfig,
-    "speculative": SpeculativeConfig, "parallel": ParallelConfig, "server": ServerConfig,
+    "speculative": SpeculativeConfig, "cuda_graph": CudaGraphConfig, "parallel": ParallelConfig,
+    "server": ServerConfig,
 }
 FLAT_ALIASES = {"model_path": "model"}
 
@@ -83,6 +90,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     device: str = "auto"
@@ -170,6 +178,8 @@ class EngineConfig:
         if self.speculative.speculative_attention_mode not in ("prefill", "decode"):
             raise ValueError("speculative_attention_mode must be 'prefill' or 'decode', "
                              f"got {self.speculative.speculative_attention_mode!r}")
+        if self.cuda_graph.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph.cuda_graph_max_bs}")
         if self.parallel.tp_size != 1:
             raise ValueError(f"tp_size must be 1 for now, got {self.parallel.tp_size}")
         out = dataclasses.replace(

@@ -32,6 +32,7 @@ class BackendEntry:
     extend_prefix: bool = True  # extend can start after a cached prefix (radix reuse, chunked prefill)
     triton_kernels: bool = False  # runs Triton kernels, so shared Triton kernels may run beside it
     library: tuple[str, str] | None = None  # (package, minimum version) the backend needs
+    cuda_graph: bool = False  # its decode path can be captured (no host reads of per-batch values)
     serves: frozenset[str] = field(default_factory=lambda: frozenset({"prefill", "decode"}))
 
 
@@ -63,7 +64,7 @@ def _triton_unavailable(config: "EngineConfig") -> str | None:
     return None
 
 
-@register("triton", unavailable=_triton_unavailable, triton_kernels=True, library=("triton", "3.1"))
+@register("triton", unavailable=_triton_unavailable, triton_kernels=True, library=("triton", "3.1"), cuda_graph=True)
 def _triton(kv_pool, req_to_token, config):
     from kestrel.attention.triton_backend import TritonBackend
 

@@ -25,9 +25,10 @@ class TritonBackend:
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.forward_mode is ForwardMode.DECODE:
-            # Enough chunks of >= 256 keys to fill the GPU when the batch is small.
-            longest = max(batch.seq_lens_cpu)
-            self._num_splits = max(1, min(16, longest // 256, 128 // max(1, batch.batch_size)))
+            # Split each sequence so that about 128 programs run (the GPU has 132 SMs). Derived from the
+            # batch size alone, so a CUDA-graph replay and an eager step compute exactly the same sums.
+            kv_heads = self.kv_pool.k_buffers[0].shape[1]
+            self._num_splits = max(1, min(16, 128 // (batch.batch_size * kv_heads)))
         else:
             self._q_starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
             self._max_extend = max(batch.extend_lens_cpu)

@@ -5,12 +5,17 @@ import torch
 
 
 class ReqToTokenPool:
-    """Row `i` lists the KV slots of the request holding row `i`, position by position."""
+    """Row `i` lists the KV slots of the request holding row `i`, position by position.
+
+    One extra row, `padding_row`, is never handed out and stays all zeros (slot 0, the reserved
+    page): CUDA-graph batches padded to a bucket point their padding entries at it.
+    """
 
     def __init__(self, max_requests: int, max_context_len: int, device: torch.device | str) -> None:
-        self.table = torch.zeros((max_requests, max_context_len), dtype=torch.int64, device=device)
+        self.table = torch.zeros((max_requests + 1, max_context_len), dtype=torch.int64, device=device)
         self._free = list(range(max_requests))
         self.max_requests = max_requests
+        self.padding_row = max_requests
 
     def available(self) -> int:
         return len(self._free)

@@ -30,12 +30,13 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [B] int64
     prefix_lens: torch.Tensor  # [B] int64
     extend_lens: torch.Tensor  # [B] int64
-    seq_lens_cpu: list[int]
-    prefix_lens_cpu: list[int]
-    extend_lens_cpu: list[int]
+    # Host copies of the lengths; None in a CUDA-graph batch, whose lengths change between replays.
+    seq_lens_cpu: list[int] | None
+    prefix_lens_cpu: list[int] | None
+    extend_lens_cpu: list[int] | None
     logits_indices: torch.Tensor  # [B] row of each request's last new token in the flat batch
     attn_backend: "AttentionBackend"
 
     @property
     def batch_size(self) -> int:
-        return len(self.seq_lens_cpu)
+        return self.seq_lens.shape[0]

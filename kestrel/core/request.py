@@ -48,5 +48,17 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def seq_len(self) -> int:
+        """len(fill_ids), without building the list (the decode loop asks every step)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] without concatenating prompt and output."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:end] + self.output_ids[:max(0, end - n)]
+
+    @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

@@ -104,7 +104,7 @@ class Scheduler:
                 slots, node = self.radix.match_prefix(req.fill_ids[:-1])
                 self.radix.inc_lock_ref(node)
                 req.last_node, req.cached_len, req.kv_len = node, len(slots), len(slots)
-            remaining = len(req.fill_ids) - req.kv_len
+            remaining = req.seq_len - req.kv_len
             take = int(min(remaining, budget))
             # Every running request keeps room for its next decode token.
             reserve = (len(self.running) + len(picked)) * page
@@ -179,7 +179,7 @@ class Scheduler:
     # ---- after the forward ------------------------------------------------------------------
     def sampling_rows(self, batch: ScheduledBatch) -> list[int]:
         """Rows of the batch whose fill is complete after this forward: they get a token."""
-        return [i for i, r in enumerate(batch.reqs) if r.kv_len + r.extend_len == len(r.fill_ids)]
+        return [i for i, r in enumerate(batch.reqs) if r.kv_len + r.extend_len == r.seq_len]
 
     def process(self, batch: ScheduledBatch, sampled: list[Request], token_ids: list[int]) -> None:
         """Commit the forward's KV, append sampled tokens, finish requests that hit a stop condition."""
@@ -203,5 +203,5 @@ class Scheduler:
                 self.finish(req, "stop", token)
             elif not params.ignore_eos and token in self.eos_token_ids:
                 self.finish(req, "stop", token)
-            elif len(req.output_ids) >= params.max_new_tokens or len(req.fill_ids) >= self.context_length:
+            elif len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.context_length:
                 self.finish(req, "length")

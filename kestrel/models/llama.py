@@ -12,6 +12,7 @@ from torch import nn
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.layers.activation import SiluAndMul
 from kestrel.layers.attention import AttentionLayer
+from kestrel.layers.linear import MergedLinear
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import RotaryEmbedding
 from kestrel.models.arch_config import ArchConfig
@@ -21,9 +22,9 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ArchConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, heads * head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_heads * head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_heads * head_dim, bias=cfg.qkv_bias)
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
+                                     bias=cfg.qkv_bias)
+        self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
         self.o_proj = nn.Linear(heads * head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
@@ -35,7 +36,7 @@ class LlamaAttention(nn.Module):
                                    sliding_window=cfg.sliding_windows[layer_id])
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             q = self.q_norm(q.view(q.shape[0], -1, self.head_dim)).flatten(1)
             k = self.k_norm(k.view(k.shape[0], -1, self.head_dim)).flatten(1)
@@ -46,14 +47,12 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The concat goes away once gate/up are merged into one projection.
-        return self.down_proj(self.act_fn(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -87,6 +86,10 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """forward: input_ids [T], positions [T] -> final-normed hidden [T, hidden];
     compute_logits: hidden [N, hidden] -> float32 logits [N, vocab]."""
+
+    # Checkpoint projection → (merged module, shard index), for the loader.
+    stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg: ArchConfig, triton_rope: bool = False) -> None:
         super().__init__()

@@ -31,18 +31,25 @@ def read_arch_config(model_path: str | Path) -> ArchConfig:
 
 
 def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device | str,
-               triton_rope: bool = False) -> nn.Module:
-    """Build the model directly on `device` in `dtype` and copy the checkpoint into it by name.
+               triton_rope: bool = False, load_format: str = "auto") -> nn.Module:
+    """Build the model directly on `device` in `dtype` and fill it from the checkpoint.
 
+    Checkpoint names map to parameters by name, except projections the model merges
+    (`stacked_params`: q/k/v → qkv_proj, gate/up → gate_up_proj), which are copied into their rows.
+    `load_format="dummy"` fills random weights instead (benchmarks of a config-only folder).
     `triton_rope` picks the Triton rope kernel (see attention.decisions.shared_triton_kernel).
-
     Raises ValueError listing missing or unexpected parameter names.
     """
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     config = read_config(model_path)
     cls = model_class(config.get("architectures") or [])
     cfg = parse_arch_config(config)
     with torch.device(device), _default_dtype(dtype):
         model = cls(cfg, triton_rope=triton_rope)
+    if load_format == "dummy":
+        _fill_random(model)
+        return model.eval()
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -50,19 +57,52 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
         for name, tensor in _checkpoint_tensors(Path(model_path)):
             if name.endswith(_HARMLESS_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            param = params.get(name)
-            if param is None:
+            target, rows = _destination(model, params, name)
+            if target is None:
                 unexpected.append(name)
                 continue
-            if param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
-            param.copy_(tensor)  # casts to the model dtype and moves to its device
-            loaded.add(name)
-    missing = sorted(set(params) - loaded)
+            if rows.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(rows.shape)}")
+            rows.copy_(tensor)  # casts to the model dtype and moves to its device
+            loaded.add(target)
+    missing = sorted(_expected_keys(model, params) - loaded)
     if missing or unexpected:
         raise ValueError(f"checkpoint at {model_path} does not match {cfg.architecture}: "
                          f"missing {missing}, unexpected {sorted(unexpected)}")
     return model.eval()
+
+
+def _destination(model: nn.Module, params: dict[str, nn.Parameter], name: str):
+    """(bookkeeping key, tensor view to copy into) for a checkpoint name, or (None, None)."""
+    for part, (merged, shard_id) in getattr(model, "stacked_params", {}).items():
+        if f".{part}." in name:
+            merged_name = name.replace(f".{part}.", f".{merged}.")
+            param = params.get(merged_name)
+            if param is None:
+                return None, None
+            module = model.get_submodule(merged_name.rsplit(".", 1)[0])
+            return f"{merged_name}#{shard_id}", module.shard(param.data, shard_id)
+    param = params.get(name)
+    return (name, param.data) if param is not None else (None, None)
+
+
+def _expected_keys(model: nn.Module, params: dict[str, nn.Parameter]) -> set[str]:
+    """Every parameter name, with merged parameters expanded to one key per shard ("name#i")."""
+    keys = set()
+    for name in params:
+        shards = getattr(model.get_submodule(name.rsplit(".", 1)[0]), "shard_sizes", None)
+        keys |= {f"{name}#{i}" for i in range(len(shards))} if shards else {name}
+    return keys
+
+
+def _fill_random(model: nn.Module) -> None:
+    """Small random weights (norm weights 1) so activations stay finite through many layers."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                param.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+            else:
+                param.normal_(0.0, 0.02)
 
 
 @contextlib.contextmanager

@@ -5,9 +5,9 @@ import logging
 
 import torch
 
-from kestrel.attention.decisions import shared_triton_kernel
+from kestrel.attention.decisions import cuda_graph_backends, shared_triton_kernel
 from kestrel.attention.hybrid import HybridBackend
-from kestrel.attention.registry import attention_backends, create_backend
+from kestrel.attention.registry import REGISTRY, attention_backends, create_backend
 from kestrel.cache.allocator import TokenToKVPoolAllocator
 from kestrel.cache.kv_pool import KVPool
 from kestrel.cache.req_to_token import ReqToTokenPool
@@ -16,6 +16,7 @@ from kestrel.core.forward_batch import ForwardBatch
 from kestrel.core.forward_mode import ForwardMode
 from kestrel.core.request import Request
 from kestrel.models.loader import load_model
+from kestrel.runner.cuda_graph import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.model.dtype)
-        self.model = load_model(config.model.model, self.dtype, self.device,
+        self.model = load_model(config.model.model, self.dtype, self.device, load_format=config.model.load_format,
                                 triton_rope=shared_triton_kernel(config) and self.device.type == "cuda")
         arch = self.model.config
         self.vocab_size = arch.vocab_size
@@ -41,8 +42,7 @@ class ModelRunner:
                               arch.num_key_value_heads, arch.head_dim, self.dtype, self.device)
         # A request never holds more tokens than the pool or the context.
         self.max_req_len = min(config.model.context_length, self.allocator.size)
-        self.req_to_token = ReqToTokenPool(config.scheduler.max_running_requests + 1, self.max_req_len + 1,
-                                           self.device)
+        self.req_to_token = ReqToTokenPool(config.scheduler.max_running_requests, self.max_req_len + 1, self.device)
         logger.info("KV pool: %d tokens (%.2f GiB), page size %d", self.allocator.size,
                     self.allocator.size * per_token / 2**30, page)
 
@@ -55,6 +55,14 @@ class ModelRunner:
             decode = create_backend(pair.decode, self.kv_pool, self.req_to_token, config)
             self.attn_backend = HybridBackend(prefill, decode, config.speculative.speculative_attention_mode)
         logger.info("attention backend: %s", self.attn_backend.name)
+
+        # ---- CUDA graphs for decode --------------------------------------------------------------
+        self.cuda_graphs = None
+        graph_ok = all(REGISTRY[name].cuda_graph for name in cuda_graph_backends(config))
+        if self.device.type == "cuda" and not config.cuda_graph.disable_cuda_graph and graph_ok:
+            max_bs = min(config.cuda_graph.cuda_graph_max_bs, config.scheduler.max_running_requests)
+            self.cuda_graphs = CudaGraphRunner(self.model, self.attn_backend, self.req_to_token.padding_row,
+                                               max_bs, self.device)
 
     def _tokens_fitting_memory(self, per_token: int) -> int:
         """KV pool size on CUDA: what is free after the weights, minus the share kept for activations."""
@@ -70,8 +78,7 @@ class ModelRunner:
         """Flatten the requests' new tokens; their slots are already in req_to_token."""
         input_ids, positions, prefix, extend = [], [], [], []
         for req in reqs:
-            fill = req.fill_ids
-            input_ids += fill[req.kv_len:req.kv_len + req.extend_len]
+            input_ids += req.tokens(req.kv_len, req.kv_len + req.extend_len)
             positions += range(req.kv_len, req.kv_len + req.extend_len)
             prefix.append(req.kv_len)
             extend.append(req.extend_len)
@@ -98,6 +105,8 @@ class ModelRunner:
     def forward(self, mode: ForwardMode, reqs: list[Request]) -> torch.Tensor:
         """Logits [len(reqs), vocab] (float32) at each request's last new token."""
         batch = self.build_batch(mode, reqs)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+            return self.cuda_graphs.replay(batch)
         batch.attn_backend.init_forward_metadata(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch)
         return self.model.compute_logits(hidden[batch.logits_indices])

@@ -156,6 +156,22 @@ def test_loader_ignores_harmless_tensors_and_reports_mismatches(tmp_path: Path) 
     with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\], unexpected \['model.layers.0.mlp.extra"):
         load_model(path, torch.float32, "cpu")
 
+    # A projection that the model merges (k_proj into qkv_proj) is reported by shard.
+    tensors["model.norm.weight"] = torch.ones(tensors["model.layers.0.input_layernorm.weight"].shape)
+    del tensors["model.layers.0.mlp.extra.weight"], tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing \['model.layers.1.self_attn.qkv_proj.weight#1'\], unexpected \[\]"):
+        load_model(path, torch.float32, "cpu")
+
+
+def test_dummy_load_format_needs_only_a_config(tmp_path: Path) -> None:
+    path = make_tiny_model("qwen3", tmp_path)
+    (path / "model.safetensors").unlink()
+    model = load_model(path, torch.float32, "cpu", load_format="dummy")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    with pytest.raises(ValueError, match="load_format"):
+        load_model(path, torch.float32, "cpu", load_format="pt")
+
 
 def test_read_arch_config_sizes_the_cache(tmp_path: Path) -> None:
     cfg = read_arch_config(make_tiny_model("qwen3", tmp_path))
