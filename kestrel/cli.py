@@ -61,6 +61,19 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from kestrel.server.launch import ServerStartError, serve
+
+    try:
+        serve(config_from_args(args), served_model_name=args.served_model_name)
+    except ServerStartError as e:
+        print(f"kestrel: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
 def _explain(args: argparse.Namespace) -> int:
     from kestrel.attention.explain import explain_plan
 
@@ -68,7 +81,20 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCHES = {"one-batch": "kestrel.bench.one_batch", "offline": "kestrel.bench.offline",
+           "serving": "kestrel.bench.serving"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        if len(argv) < 2 or argv[1] not in BENCHES:
+            print(f"usage: kestrel bench {{{','.join(BENCHES)}}} [flags]", file=sys.stderr)
+            return 2
+        import importlib
+
+        importlib.import_module(BENCHES[argv[1]]).main(argv[2:])
+        return 0
     parser = argparse.ArgumentParser(prog="kestrel", description="a compact LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt, offline")
@@ -79,13 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (and SGLang's native /generate)")
+    add_engine_flags(srv)
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model name clients send and /v1/models lists (default: the model path)")
     explain = sub.add_parser("explain", help="print the resolved attention plan without loading weights")
     add_engine_flags(explain)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, (args.log_level or "info").upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return {"generate": _generate, "explain": _explain}[args.command](args)
+        return {"generate": _generate, "serve": _serve, "explain": _explain}[args.command](args)
     except (ValueError, FileNotFoundError) as e:
         print(f"kestrel: error: {e}", file=sys.stderr)
         return 2

@@ -96,13 +96,15 @@ def _expected_keys(model: nn.Module, params: dict[str, nn.Parameter]) -> set[str
 
 
 def _fill_random(model: nn.Module) -> None:
-    """Small random weights (norm weights 1) so activations stay finite through many layers."""
+    """Small random weights (norm weights 1, biases 0), the same on every load: a fixed-seed generator."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device).manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() == 1:
                 param.fill_(1.0 if name.endswith("norm.weight") else 0.0)
             else:
-                param.normal_(0.0, 0.02)
+                param.normal_(0.0, 0.02, generator=gen)
 
 
 @contextlib.contextmanager

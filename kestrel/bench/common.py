@@ -1,0 +1,81 @@
+"""Shared pieces of the benchmarks: workloads, the physical floor, timing, reporting."""
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def random_lengths(n: int, length: int, range_ratio: float, rng: random.Random) -> list[int]:
+    """SGLang's `random` dataset: each length uniform in [max(1, range_ratio * length), length]."""
+    if not 0 <= range_ratio <= 1:
+        raise ValueError(f"random_range_ratio must be in [0, 1], got {range_ratio}")
+    low = max(1, int(range_ratio * length))
+    return [rng.randint(low, length) for _ in range(n)]
+
+
+def random_prompts(lengths: list[int], vocab_size: int, rng: random.Random) -> list[list[int]]:
+    # Token ids below 100 are often special tokens; stay clear of them.
+    return [[rng.randrange(100, vocab_size) for _ in range(n)] for n in lengths]
+
+
+def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float | None:
+    """Measured device-to-device copy bandwidth in bytes/s (read + written), median of 10; None on CPU."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * gib * 2**30 / median(times)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def now(device: torch.device) -> float:
+    sync(device)
+    return time.perf_counter()
+
+
+def report(title: str, rows: list[tuple[str, Any]], result: dict[str, Any], json_path: str | None) -> None:
+    """Print a two-column table, then write the result as JSON if asked."""
+    print(f"\n== {title} ==")
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        shown = f"{value:,.2f}" if isinstance(value, float) else str(value)
+        print(f"  {key:<{width}}  {shown}")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=2))

@@ -1,0 +1,110 @@
+"""Offline throughput: N random-token prompts through `Engine.generate`, SGLang `random` dataset semantics.
+
+    python -m kestrel.bench.offline --model kestrel/assets/configs/llama-3.1-8b --load-format dummy \
+        --num-prompts 500 --random-input-len 4096 --random-output-len 2048 --random-range-ratio 0
+
+`--transformers-batch-size B` also runs transformers `generate()` on the same model and the first
+`--transformers-prompts` prompts, B at a time, as the baseline of the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+
+from kestrel.bench.common import now, random_lengths, random_prompts, report
+from kestrel.cli import add_engine_flags, config_from_args
+from kestrel.core.sampling_params import SamplingParams
+
+
+def workload(n: int, input_len: int, output_len: int, range_ratio: float, vocab: int, seed: int):
+    rng = random.Random(seed)
+    in_lens = random_lengths(n, input_len, range_ratio, rng)
+    out_lens = random_lengths(n, output_len, range_ratio, rng)
+    return random_prompts(in_lens, vocab, rng), out_lens
+
+
+def run_kestrel(engine, prompts: list[list[int]], out_lens: list[int]) -> dict:
+    params = [SamplingParams(max_new_tokens=m, temperature=0.0, ignore_eos=True) for m in out_lens]
+    device = engine.runner.device
+    start = now(device)
+    outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+    elapsed = now(device) - start
+    generated = sum(len(o.token_ids) for o in outs)
+    assert generated == sum(out_lens), "every request must produce its full output (ignore_eos)"
+    return {"elapsed_s": elapsed, "output_tokens": generated, "input_tokens": sum(map(len, prompts)),
+            "output_tok_per_s": generated / elapsed, "total_tok_per_s": (generated + sum(map(len, prompts))) / elapsed,
+            "retractions": engine.scheduler.num_retractions}
+
+
+def run_transformers(model_path: str, dtype: torch.dtype, device: torch.device, prompts: list[list[int]],
+                     out_lens: list[int], batch_size: int) -> dict:
+    """transformers generate(), greedy, left-padded batches of `batch_size`; random weights like ours."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    generated, start = 0, now(device)
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i:i + batch_size]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+        new = max(out_lens[i:i + batch_size])
+        gen = GenerationConfig(do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
+                               eos_token_id=None)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, generation_config=gen)
+        generated += new * len(chunk)
+    elapsed = now(device) - start
+    del model
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    return {"elapsed_s": elapsed, "output_tokens": generated, "output_tok_per_s": generated / elapsed,
+            "batch_size": batch_size, "num_prompts": len(prompts)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_flags(parser)
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--random-input-len", type=int, default=512)
+    parser.add_argument("--random-output-len", type=int, default=256)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--transformers-batch-size", type=int, default=0, help="0: no transformers baseline")
+    parser.add_argument("--transformers-prompts", type=int, default=256)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    from kestrel.engine.engine import Engine
+
+    engine = Engine(config=config_from_args(args))
+    prompts, out_lens = workload(args.num_prompts, args.random_input_len, args.random_output_len,
+                                 args.random_range_ratio, engine.vocab_size, args.seed)
+    warm_prompts, warm_lens = workload(min(8, args.num_prompts), 64, 8, 1.0, engine.vocab_size, args.seed + 1)
+    run_kestrel(engine, warm_prompts, warm_lens)
+    result = {"workload": vars(args) | {"model": engine.config.model.model},
+              "kestrel": run_kestrel(engine, prompts, out_lens)}
+    rows = [("prompts", args.num_prompts),
+            ("input / output tokens", f"{result['kestrel']['input_tokens']} / {result['kestrel']['output_tokens']}"),
+            ("elapsed (s)", result["kestrel"]["elapsed_s"]),
+            ("kestrel output tok/s", result["kestrel"]["output_tok_per_s"]),
+            ("kestrel total tok/s", result["kestrel"]["total_tok_per_s"]),
+            ("retractions", result["kestrel"]["retractions"])]
+    if args.transformers_batch_size:
+        device, dtype = engine.runner.device, engine.runner.dtype
+        model_path = engine.config.model.model
+        engine.shutdown()
+        del engine
+        n = min(args.transformers_prompts, len(prompts))
+        base = run_transformers(model_path, dtype, device, prompts[:n], out_lens[:n], args.transformers_batch_size)
+        result["transformers"] = base
+        rows += [(f"transformers output tok/s (bs {args.transformers_batch_size}, {n} prompts)",
+                  base["output_tok_per_s"]),
+                 ("kestrel / transformers", result["kestrel"]["output_tok_per_s"] / base["output_tok_per_s"])]
+    report("offline throughput", rows, result, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Latency of one static batch: prefill of `batch_size` prompts, then each decode step.
+
+    python -m kestrel.bench.one_batch --model kestrel/assets/configs/llama-3.1-8b --load-format dummy \
+        --batch-size 1 --input-len 128 --output-len 128
+"""
+from __future__ import annotations
+
+import argparse
+import random
+
+from kestrel.bench.common import copy_bandwidth, median, now, random_prompts, report, weight_bytes
+from kestrel.cli import add_engine_flags, config_from_args
+from kestrel.core.sampling_params import SamplingParams
+
+
+def run(engine, batch_size: int, input_len: int, output_len: int, seed: int = 0) -> dict:
+    """Prefill latency and per-step decode latencies (seconds) of one batch, run to completion."""
+    rng = random.Random(seed)
+    prompts = random_prompts([input_len] * batch_size, engine.vocab_size, rng)
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(prompt_token_ids=p, sampling_params=params) for p in prompts]
+    device = engine.runner.device
+    start = now(device)
+    while not all(engine._reqs[r].output_ids for r in rids):  # prefill (possibly chunked)
+        engine.step()
+    prefill = now(device) - start
+    steps = []
+    while engine.scheduler.has_work():
+        t0 = now(device)
+        engine.step()
+        steps.append(now(device) - t0)
+    for rid in rids:
+        engine._pop(rid)
+    return {"prefill_s": prefill, "decode_steps_s": steps}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_flags(parser)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--json", default=None, help="write the result here")
+    args = parser.parse_args(argv)
+    from kestrel.engine.engine import Engine
+
+    engine = Engine(config=config_from_args(args))
+    device = engine.runner.device
+    run(engine, args.batch_size, args.input_len, min(args.output_len, 8))  # warm-up
+    result = run(engine, args.batch_size, args.input_len, args.output_len, seed=1)
+    step = median(result["decode_steps_s"])
+    wbytes = weight_bytes(engine.runner.model)
+    bandwidth = copy_bandwidth(device)
+    floor = wbytes / bandwidth if bandwidth else None
+    summary = {
+        "model": engine.config.model.model, "device": str(device), "dtype": engine.config.model.dtype,
+        "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
+        "prefill_latency_s": result["prefill_s"],
+        "prefill_tok_per_s": args.batch_size * args.input_len / result["prefill_s"],
+        "decode_step_median_s": step, "decode_tok_per_s": args.batch_size / step,
+        "weight_bytes": wbytes, "copy_bandwidth_bytes_per_s": bandwidth, "decode_floor_s": floor,
+        "decode_fraction_of_floor": floor / step if floor else None,
+        "attention_backend": engine.runner.attn_backend.name,
+        "cuda_graphs": engine.runner.cuda_graphs is not None,
+    }
+    rows = [("batch size / input / output", f"{args.batch_size} / {args.input_len} / {args.output_len}"),
+            ("prefill latency (ms)", result["prefill_s"] * 1e3),
+            ("prefill throughput (tok/s)", summary["prefill_tok_per_s"]),
+            ("decode step, median (ms)", step * 1e3),
+            ("decode throughput (tok/s)", summary["decode_tok_per_s"])]
+    if floor:
+        rows += [("floor: weights / copy bw (ms)", floor * 1e3),
+                 ("decode vs floor", f"{100 * floor / step:.1f}% of the floor")]
+    report("one-batch", rows, summary, args.json)
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, the CPU suite on the device's torch/transformers, and quick benchmarks.
+# Usage (on the GPU machine, from the repo root): bash scripts/gpu_check.sh [stage ...]
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+stages=${*:-"gpu cpu bench"}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+for stage in $stages; do
+  case $stage in
+    gpu) timeout 420 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    cpu) CUDA_VISIBLE_DEVICES= timeout 300 python3 -m pytest tests/unit tests/model tests/e2e/test_engine.py \
+           tests/e2e/test_attention_backends.py -q -p no:cacheprovider -x 2>&1 | tee "$OUT/cpu_tests.log" | tail -5 ;;
+    bench)
+      for bs in 1 64; do
+        timeout 200 python3 -m kestrel.bench.one_batch --model kestrel/assets/configs/llama-3.1-8b --load-format dummy \
+          --batch-size $bs --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 64 \
+          --json "$OUT/one_batch_bs$bs.json" 2>&1 | grep -v "^\s*$" | tail -9
+      done ;;
+  esac
+done
