@@ -10,6 +10,14 @@ class SiluAndMul(nn.Module):
     """[..., 2*I] -> [..., I]: silu(gate) * up, with gate the first half and up the second
     (the layout a merged gate_up projection produces)."""
 
+    def __init__(self, use_triton: bool = False) -> None:
+        super().__init__()
+        self.use_triton = use_triton
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton and x.dim() == 2:
+            from kestrel.layers.fused_triton import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

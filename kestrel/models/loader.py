@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kestrel.layers.kernels import Kernels
 from kestrel.models.arch_config import ArchConfig, parse_arch_config
 from kestrel.models.registry import model_class
 
@@ -31,13 +32,13 @@ def read_arch_config(model_path: str | Path) -> ArchConfig:
 
 
 def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device | str,
-               triton_rope: bool = False, load_format: str = "auto") -> nn.Module:
+               kernels: Kernels = Kernels(), load_format: str = "auto") -> nn.Module:
     """Build the model directly on `device` in `dtype` and fill it from the checkpoint.
 
     Checkpoint names map to parameters by name, except projections the model merges
     (`stacked_params`: q/k/v → qkv_proj, gate/up → gate_up_proj), which are copied into their rows.
     `load_format="dummy"` fills random weights instead (benchmarks of a config-only folder).
-    `triton_rope` picks the Triton rope kernel (see attention.decisions.shared_triton_kernel).
+    `kernels` picks Triton or torch implementations of rope, norms and activations.
     Raises ValueError listing missing or unexpected parameter names.
     """
     if load_format not in ("auto", "dummy"):
@@ -46,7 +47,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
     cls = model_class(config.get("architectures") or [])
     cfg = parse_arch_config(config)
     with torch.device(device), _default_dtype(dtype):
-        model = cls(cfg, triton_rope=triton_rope)
+        model = cls(cfg, kernels)
     if load_format == "dummy":
         _fill_random(model)
         return model.eval()

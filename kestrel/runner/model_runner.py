@@ -1,6 +1,7 @@
 """Loads the model, owns the KV memory, turns a scheduled batch into a forward."""
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import torch
@@ -15,10 +16,15 @@ from kestrel.config import EngineConfig
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.core.forward_mode import ForwardMode
 from kestrel.core.request import Request
+from kestrel.layers.kernels import Kernels
 from kestrel.models.loader import load_model
 from kestrel.runner.cuda_graph import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 class ModelRunner:
@@ -27,8 +33,10 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.model.dtype)
-        self.model = load_model(config.model.model, self.dtype, self.device, load_format=config.model.load_format,
-                                triton_rope=shared_triton_kernel(config) and self.device.type == "cuda")
+        on_cuda_with_triton = self.device.type == "cuda" and triton_installed()
+        kernels = Kernels(triton_rope=on_cuda_with_triton and shared_triton_kernel(config),
+                          triton_elementwise=on_cuda_with_triton)
+        self.model = load_model(config.model.model, self.dtype, self.device, kernels, config.model.load_format)
         arch = self.model.config
         self.vocab_size = arch.vocab_size
 

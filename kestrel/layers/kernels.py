@@ -1,0 +1,13 @@
+"""Which kernel implementations a model's layers use, chosen once by the model runner."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """`triton_rope`: rope as a Triton kernel (attention.decisions.shared_triton_kernel decides: it runs in
+    both phases). `triton_elementwise`: fused add+RMSNorm and SiLU-and-mul Triton kernels (CUDA only)."""
+
+    triton_rope: bool = False
+    triton_elementwise: bool = False
