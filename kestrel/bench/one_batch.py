@@ -8,9 +8,35 @@ from __future__ import annotations
 import argparse
 import random
 
+import torch
+
 from kestrel.bench.common import copy_bandwidth, median, now, random_prompts, report, weight_bytes
 from kestrel.cli import add_engine_flags, config_from_args
 from kestrel.core.sampling_params import SamplingParams
+
+
+class ForwardTimer:
+    """Wraps the runner's forward to time its GPU work with CUDA events (the rest of a step is CPU work)."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.inner, self.events = runner, runner.forward, []
+        runner.forward = self
+
+    def __call__(self, mode, reqs):
+        if self.runner.device.type != "cuda":
+            return self.inner(mode, reqs)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = self.inner(mode, reqs)
+        end.record()
+        self.events.append((start, end))
+        return out
+
+    def take_ms(self) -> list[float]:
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) for s, e in self.events]
+        self.events = []
+        return times
 
 
 def run(engine, batch_size: int, input_len: int, output_len: int, seed: int = 0) -> dict:
@@ -47,8 +73,12 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(config=config_from_args(args))
     device = engine.runner.device
     run(engine, args.batch_size, args.input_len, min(args.output_len, 8))  # warm-up
+    timer = ForwardTimer(engine.runner)
     result = run(engine, args.batch_size, args.input_len, args.output_len, seed=1)
     step = median(result["decode_steps_s"])
+    forward_ms = timer.take_ms() if device.type == "cuda" else []
+    # The first timed forward(s) are the prefill; the decode forwards follow one per step.
+    decode_gpu = median(forward_ms[-len(result["decode_steps_s"]):]) / 1e3 if forward_ms else None
     wbytes = weight_bytes(engine.runner.model)
     bandwidth = copy_bandwidth(device)
     floor = wbytes / bandwidth if bandwidth else None
@@ -60,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
         "decode_step_median_s": step, "decode_tok_per_s": args.batch_size / step,
         "weight_bytes": wbytes, "copy_bandwidth_bytes_per_s": bandwidth, "decode_floor_s": floor,
         "decode_fraction_of_floor": floor / step if floor else None,
+        "decode_forward_gpu_median_s": decode_gpu,
+        "decode_cpu_share": 1 - decode_gpu / step if decode_gpu else None,
         "attention_backend": engine.runner.attn_backend.name,
         "cuda_graphs": engine.runner.cuda_graphs is not None,
     }
@@ -68,6 +100,9 @@ def main(argv: list[str] | None = None) -> None:
             ("prefill throughput (tok/s)", summary["prefill_tok_per_s"]),
             ("decode step, median (ms)", step * 1e3),
             ("decode throughput (tok/s)", summary["decode_tok_per_s"])]
+    if decode_gpu:
+        rows += [("decode forward on GPU, median (ms)", decode_gpu * 1e3),
+                 ("step time outside the forward", f"{100 * (1 - decode_gpu / step):.1f}%")]
     if floor:
         rows += [("floor: weights / copy bw (ms)", floor * 1e3),
                  ("decode vs floor", f"{100 * floor / step:.1f}% of the floor")]

@@ -87,7 +87,8 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         req = Request(rid=rid, prompt_ids=ids, params=params, seed=seed, arrival=arrival)
         self._reqs[rid] = req
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.stop_strs:
+            # Stop strings need the text as it grows; other requests are detokenized once, at the end.
             self._texts[rid] = OutputText(self.tokenizer, ids, params)
         if params.max_new_tokens == 0:
             self.scheduler.finish(req, "length")
