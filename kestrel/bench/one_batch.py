@@ -22,12 +22,12 @@ class ForwardTimer:
         self.runner, self.inner, self.events = runner, runner.forward, []
         runner.forward = self
 
-    def __call__(self, mode, reqs):
+    def __call__(self, batch):
         if self.runner.device.type != "cuda":
-            return self.inner(mode, reqs)
+            return self.inner(batch)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = self.inner(mode, reqs)
+        out = self.inner(batch)
         end.record()
         self.events.append((start, end))
         return out

@@ -1,8 +1,8 @@
 """Page allocator over KV slots.
 
 A slot is one token's row in the KV pool; a page is `page_size` consecutive slots. All bookkeeping
-lives on the host (CPU tensors) so that counting free pages never syncs the device; only the slot
-tensors handed back to callers live on `device`.
+and the slot tensors handed out live on the host (CPU tensors), so allocating never syncs the device;
+the scheduler moves a whole batch's slots to the device in one copy.
 """
 from __future__ import annotations
 
@@ -59,8 +59,25 @@ class TokenToKVPoolAllocator:
         rest = max(0, n - in_last_page)
         return -(-rest // ps) * ps
 
+    def alloc_many(self, seq_starts: list[int], counts: list[int], last_locs: list[int]) -> torch.Tensor:
+        """`alloc_for` for several requests at once: their slots concatenated (int64, on the host).
+
+        With page_size 1 this is one take from the free list, whatever the number of requests.
+        """
+        if self.page_size == 1:
+            total = sum(counts)
+            if total > self._num_free:
+                raise RuntimeError(f"KV pool out of memory: need {total} tokens, {self.available_size()} free")
+            return self._take(total) if total else torch.empty(0, dtype=torch.int64)
+        if sum(self.tokens_needed(s, n) for s, n in zip(seq_starts, counts)) > self.available_size():
+            raise RuntimeError("KV pool out of memory for this batch; evict or retract first")
+        parts = [self.alloc_for(s, n, loc) for s, n, loc in zip(seq_starts, counts, last_locs)]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
     def alloc_for(self, seq_start: int, n: int, last_loc: int) -> torch.Tensor:
-        """Slots (int64 on `device`) for positions [seq_start, seq_start + n) of one request.
+        """Slots (int64, on the host) for positions [seq_start, seq_start + n) of one request.
+
+        Slots stay on the host so the scheduler can send a whole batch's slots to the device at once.
 
         `last_loc` is the slot of position seq_start - 1; it is ignored when seq_start is page-aligned.
         All or nothing: raises RuntimeError, with the state unchanged, if there are not enough pages.
@@ -82,9 +99,8 @@ class TokenToKVPoolAllocator:
             slots = pages if ps == 1 else (pages[:, None] * ps + self._offsets).flatten()
             parts.append(slots[: n - in_last_page])
         if not parts:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return out.to(self.device)
+            return torch.empty(0, dtype=torch.int64)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _take(self, k: int) -> torch.Tensor:
         if self._free.numel() < k:

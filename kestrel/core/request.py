@@ -36,6 +36,7 @@ class Request:
     cached_len: int = 0
     last_node: Any = None
     extend_len: int = 0  # new tokens in the step being run
+    last_slot: int = 0  # host copy of the slot of position kv_len + extend_len - 1 (continues its page)
     cached_tokens: int = 0  # prompt tokens reused from the radix cache at first admission
     admitted: bool = False
     finish_reason: str | None = None

@@ -105,7 +105,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        logits = self.runner.forward(batch.mode, batch.reqs)
+        logits = self.runner.forward(batch)
         rows = self.scheduler.sampling_rows(batch)
         sampled = [batch.reqs[i] for i in rows]
         if not sampled:

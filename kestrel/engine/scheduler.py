@@ -27,6 +27,7 @@ class ScheduledBatch:
     mode: ForwardMode
     reqs: list[Request]
     num_prefill: int  # reqs[:num_prefill] are prefill work, the rest decodes
+    out_cache_loc: torch.Tensor  # [sum of extend_len] KV slots of the new tokens, request by request (device)
 
 
 class Scheduler:
@@ -42,6 +43,7 @@ class Scheduler:
         self.running: list[Request] = []  # decoding, in admission order
         self.chunked: Request | None = None  # prefill in progress across steps
         self.num_retractions = 0
+        self._pending: list[tuple[Request, torch.Tensor]] = []  # this step's allocations (host slots)
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -76,14 +78,25 @@ class Scheduler:
 
     # ---- batch selection --------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
+        self._pending = []
         prefill = self._schedule_prefill()
         if prefill and not (self.config.enable_mixed_chunk and self.running):
-            return ScheduledBatch(ForwardMode.EXTEND, prefill, len(prefill))
-        decode = self._schedule_decode()
+            return self._batch(ForwardMode.EXTEND, prefill, len(prefill))
+        decode = self._schedule_decode(protected=prefill)
         if prefill:
-            mode = ForwardMode.MIXED if decode else ForwardMode.EXTEND
-            return ScheduledBatch(mode, prefill + decode, len(prefill))
-        return ScheduledBatch(ForwardMode.DECODE, decode, 0) if decode else None
+            return self._batch(ForwardMode.MIXED if decode else ForwardMode.EXTEND, prefill + decode, len(prefill))
+        return self._batch(ForwardMode.DECODE, decode, 0) if decode else None
+
+    def _batch(self, mode: ForwardMode, reqs: list[Request], num_prefill: int) -> ScheduledBatch:
+        """Send the step's new slots to the device and into the requests' req_to_token rows, in one copy."""
+        assert [r for r, _ in self._pending] == reqs, "allocations must follow the batch order"
+        slots = torch.cat([s for _, s in self._pending])
+        rows = torch.cat([torch.full((len(s),), r.req_pool_idx, dtype=torch.int64) for r, s in self._pending])
+        cols = torch.cat([torch.arange(r.kv_len, r.kv_len + len(s)) for r, s in self._pending])
+        on_device = torch.stack([slots, rows, cols]).to(self.req_to_token.table.device, non_blocking=True)
+        self.req_to_token.table[on_device[1], on_device[2]] = on_device[0]
+        self._pending = []
+        return ScheduledBatch(mode, reqs, num_prefill, on_device[0])
 
     def _free_tokens(self) -> int:
         return self.allocator.available_size() + self.radix.evictable_size()
@@ -132,25 +145,38 @@ class Scheduler:
                 self.chunked = None
         return picked
 
-    def _schedule_decode(self) -> list[Request]:
+    def _schedule_decode(self, protected: list[Request]) -> list[Request]:
+        """Every running request gets one slot; retract the newest while the pool cannot hold them.
+        Requests already given slots in this step (`protected`) are never retracted."""
+        page = self.allocator.page_size
+
         def needed() -> int:
-            return sum(self.allocator.tokens_needed(r.kv_len, 1) for r in self.running)
+            return sum(page for r in self.running if r.kv_len % page == 0)
 
         while self.running and needed() > self._free_tokens():
-            self._retract(self.chunked if self.chunked else self.running[-1])
-        for req in self.running:
-            self._allocate(req, 1)
+            chunked_ok = self.chunked is not None and all(self.chunked is not p for p in protected)
+            self._retract(self.chunked if chunked_ok else self.running[-1])
+        if self.running:
+            self._make_room(needed())
+            slots = self.allocator.alloc_many([r.kv_len for r in self.running], [1] * len(self.running),
+                                              [r.last_slot for r in self.running])
+            for req, slot in zip(self.running, slots.split(1)):
+                self._record(req, slot)
         return list(self.running)
 
     def _allocate(self, req: Request, n: int) -> None:
         """Give req KV slots for fill positions [kv_len, kv_len + n), evicting cached prefixes if needed."""
-        need = self.allocator.tokens_needed(req.kv_len, n)
-        if need > self.allocator.available_size():
-            self.radix.evict(need - self.allocator.available_size())
-        row = self.req_to_token.table[req.req_pool_idx]
-        last_loc = int(row[req.kv_len - 1]) if req.kv_len else 0
-        row[req.kv_len:req.kv_len + n] = self.allocator.alloc_for(req.kv_len, n, last_loc)
-        req.extend_len = n
+        self._make_room(self.allocator.tokens_needed(req.kv_len, n))
+        self._record(req, self.allocator.alloc_for(req.kv_len, n, req.last_slot))
+
+    def _make_room(self, tokens: int) -> None:
+        if tokens > self.allocator.available_size():
+            self.radix.evict(tokens - self.allocator.available_size())
+
+    def _record(self, req: Request, slots: torch.Tensor) -> None:
+        req.extend_len = len(slots)
+        req.last_slot = int(slots[-1])  # a host tensor: no device sync
+        self._pending.append((req, slots))
 
     def _retract(self, req: Request) -> None:
         """Put a request back in the waiting queue; its KV goes to the radix cache (evictable)."""
@@ -170,6 +196,7 @@ class Scheduler:
         self.radix.cache_finished(req.fill_ids[:req.kv_len], slots, req.cached_len, req.last_node)
         self.req_to_token.free(req.req_pool_idx)
         req.req_pool_idx, req.last_node, req.kv_len, req.cached_len, req.extend_len = None, None, 0, 0, 0
+        req.last_slot = 0
 
     def _mark_finished(self, req: Request, reason: str, matched_stop: int | str | None = None) -> None:
         req.status = RequestStatus.FINISHED

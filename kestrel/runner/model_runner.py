@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import logging
 
 import torch
@@ -14,8 +15,7 @@ from kestrel.cache.kv_pool import KVPool
 from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.config import EngineConfig
 from kestrel.core.forward_batch import ForwardBatch
-from kestrel.core.forward_mode import ForwardMode
-from kestrel.core.request import Request
+from kestrel.engine.scheduler import ScheduledBatch
 from kestrel.layers.kernels import Kernels
 from kestrel.models.loader import load_model
 from kestrel.runner.cuda_graph import CudaGraphRunner
@@ -82,8 +82,9 @@ class ModelRunner:
                              "raise mem_fraction_static or set max_total_tokens")
         return tokens
 
-    def build_batch(self, mode: ForwardMode, reqs: list[Request]) -> ForwardBatch:
+    def build_batch(self, batch: ScheduledBatch) -> ForwardBatch:
         """Flatten the requests' new tokens; their slots are already in req_to_token."""
+        reqs = batch.reqs
         input_ids, positions, prefix, extend = [], [], [], []
         for req in reqs:
             input_ids += req.tokens(req.kv_len, req.kv_len + req.extend_len)
@@ -91,30 +92,24 @@ class ModelRunner:
             prefix.append(req.kv_len)
             extend.append(req.extend_len)
         seq = [p + e for p, e in zip(prefix, extend)]
-        dev = self.device
-
-        def t(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=dev)
-
-        pool_idx = t([r.req_pool_idx for r in reqs])
-        rows = self.req_to_token.table[pool_idx]
-        pos = t(positions)
-        token_req = torch.repeat_interleave(torch.arange(len(reqs), device=dev), t(extend))
-        out_cache_loc = rows[token_req, pos]
-        ends = torch.cumsum(t(extend), 0)
-        batch = ForwardBatch(
-            forward_mode=mode, input_ids=t(input_ids), positions=pos, out_cache_loc=out_cache_loc,
-            req_pool_indices=pool_idx, seq_lens=t(seq), prefix_lens=t(prefix), extend_lens=t(extend),
-            seq_lens_cpu=seq, prefix_lens_cpu=prefix, extend_lens_cpu=extend, logits_indices=ends - 1,
+        pool_idx = [r.req_pool_idx for r in reqs]
+        ends = list(itertools.accumulate(extend))
+        # One host-to-device copy for all the small per-batch tensors.
+        packed = torch.tensor([input_ids, positions], dtype=torch.int64).to(self.device, non_blocking=True)
+        per_req = torch.tensor([pool_idx, seq, prefix, extend, [e - 1 for e in ends]],
+                               dtype=torch.int64).to(self.device, non_blocking=True)
+        return ForwardBatch(
+            forward_mode=batch.mode, input_ids=packed[0], positions=packed[1], out_cache_loc=batch.out_cache_loc,
+            req_pool_indices=per_req[0], seq_lens=per_req[1], prefix_lens=per_req[2], extend_lens=per_req[3],
+            seq_lens_cpu=seq, prefix_lens_cpu=prefix, extend_lens_cpu=extend, logits_indices=per_req[4],
             attn_backend=self.attn_backend)
-        return batch
 
     @torch.inference_mode()
-    def forward(self, mode: ForwardMode, reqs: list[Request]) -> torch.Tensor:
-        """Logits [len(reqs), vocab] (float32) at each request's last new token."""
-        batch = self.build_batch(mode, reqs)
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
-            return self.cuda_graphs.replay(batch)
-        batch.attn_backend.init_forward_metadata(batch)
-        hidden = self.model(batch.input_ids, batch.positions, batch)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits [len(batch.reqs), vocab] (float32) at each request's last new token."""
+        fb = self.build_batch(batch)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(fb):
+            return self.cuda_graphs.replay(fb)
+        fb.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        return self.model.compute_logits(hidden[fb.logits_indices])

@@ -22,7 +22,7 @@ def test_graph_replay_equals_eager_logits(tmp_path):
         e.step()  # prefill
         batch = e.scheduler.schedule()
         assert batch.mode.name == "DECODE" and len(batch.reqs) == 5  # a bucket of 8 with 3 padding rows
-        fb = runner.build_batch(batch.mode, batch.reqs)
+        fb = runner.build_batch(batch)
         graph_logits = runner.cuda_graphs.replay(fb).clone()
         runner.attn_backend.init_forward_metadata(fb)
         with torch.inference_mode():
