@@ -59,7 +59,7 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class CudaGraphConfig:
     disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int = 160  # decode batches up to this size replay a captured graph
+    cuda_graph_max_bs: int = 256  # decode batches up to this size replay a captured graph
 
 
 @dataclass(frozen=True)
