@@ -45,8 +45,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    flat = {name: getattr(args, name) for name in EngineConfig.flat_fields()
-            if getattr(args, name, None) not in (None, False)}
+    # `is` comparisons: 0 (e.g. --port 0) is a value, only an absent flag (None / unset bool) is not.
+    flat = {name: value for name in EngineConfig.flat_fields()
+            if (value := getattr(args, name, None)) is not None and value is not False}
     return EngineConfig.from_flat(**flat)
 
 

@@ -11,13 +11,24 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 for stage in $stages; do
   case $stage in
     gpu) timeout 420 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
-    cpu) CUDA_VISIBLE_DEVICES= timeout 300 python3 -m pytest tests/unit tests/model tests/e2e/test_engine.py \
-           tests/e2e/test_attention_backends.py -q -p no:cacheprovider -x 2>&1 | tee "$OUT/cpu_tests.log" | tail -5 ;;
+    cpu) CUDA_VISIBLE_DEVICES= timeout 150 python3 -m pytest tests/model tests/e2e/test_engine.py \
+           -q -p no:cacheprovider -x 2>&1 | tee "$OUT/cpu_tests.log" | tail -3 ;;
     bench)
       for bs in 1 64; do
         timeout 200 python3 -m kestrel.bench.one_batch --model kestrel/assets/configs/llama-3.1-8b --load-format dummy \
           --batch-size $bs --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 64 \
-          --json "$OUT/one_batch_bs$bs.json" 2>&1 | grep -v "^\s*$" | tail -9
+          --json "$OUT/one_batch_bs$bs.json" 2>&1 | grep -v "^\s*$" | tail -11
+      done ;;
+    offline512)
+      timeout 300 python3 -m kestrel.bench.offline --model kestrel/assets/configs/llama-3.1-8b --load-format dummy \
+        --num-prompts 1000 --random-input-len 512 --random-output-len 256 --random-range-ratio 1 \
+        --transformers-batch-size 128 --transformers-prompts 256 --json "$OUT/offline_512_256.json" 2>&1 | tail -12 ;;
+    offline4k)
+      for r in 0 1; do
+        n=500; [ $r = 1 ] && n=200
+        timeout 280 python3 -m kestrel.bench.offline --model kestrel/assets/configs/llama-3.1-8b --load-format dummy \
+          --num-prompts $n --random-input-len 4096 --random-output-len 2048 --random-range-ratio $r \
+          --json "$OUT/offline_4096_2048_r$r.json" 2>&1 | tail -9
       done ;;
   esac
 done

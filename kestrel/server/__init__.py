@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: FastAPI app, engine process, IPC messages, metrics."""

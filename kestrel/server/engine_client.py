@@ -1,0 +1,237 @@
+"""The HTTP process's side of the engine process: launch, send, dispatch outputs, detect death.
+
+Sending goes through one thread, so the event loop never blocks on a full pipe (and the two
+processes can never wait on each other's full pipes). Receiving is one asyncio task, woken by the
+event loop when the pipe is readable, that routes every `TokenDelta` to the queue of the HTTP
+request it belongs to, updating the metrics on the way. End of file on the pipe means the engine
+process died: every waiting request then gets a 503, and so does every new one.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from kestrel.config import EngineConfig
+from kestrel.server.engine_process import engine_main
+from kestrel.server.errors import APIError
+from kestrel.server.messages import (AbortRequests, AddRequests, Admission, EngineFailed, EngineReady, EngineStats,
+                                     NewRequest, Shutdown, StepOutput, TokenDelta)
+from kestrel.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not load the model."""
+
+
+class RequestGroup:
+    """The engine requests of one HTTP call; their deltas arrive, in order, on one queue.
+
+    Queue items are `(index in the group, TokenDelta)`, or an `APIError` when the engine died.
+    """
+
+    def __init__(self, rids: list[str]) -> None:
+        self.id = uuid.uuid4().hex
+        self.rids = rids
+        self.queue: asyncio.Queue[tuple[int, TokenDelta] | APIError] = asyncio.Queue()
+        self.admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+
+@dataclass
+class _Tracked:
+    group: RequestGroup
+    index: int
+    arrival: float
+    last_token: float | None = None
+
+
+class EngineClient:
+    def __init__(self, process: Any, inbox: Any, outbox: Any, info: EngineReady, metrics: ServerMetrics) -> None:
+        self.process = process
+        self.info = info
+        self.metrics = metrics
+        self.stats = EngineStats(max_total_tokens=info.max_total_tokens)
+        self.dead_reason: str | None = None
+        self._inbox = inbox  # we write; the engine reads
+        self._outbox = outbox  # the engine writes; we read
+        self._send_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="kestrel-engine-sender", daemon=True)
+        self._groups: dict[str, RequestGroup] = {}  # waiting for their Admission
+        self._tracked: dict[str, _Tracked] = {}
+        self._rid_counter = itertools.count()
+        self._readable = asyncio.Event()
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    @classmethod
+    def launch(cls, config: EngineConfig, log_level: str, metrics: ServerMetrics) -> "EngineClient":
+        """Start the engine process and wait until its model is loaded. Raises EngineStartError."""
+        ctx = mp.get_context("spawn")
+        inbox_r, inbox_w = ctx.Pipe(duplex=False)
+        outbox_r, outbox_w = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=engine_main, args=(config, inbox_r, outbox_w, log_level),
+                              name="kestrel-engine")
+        process.start()
+        # Only the engine process may hold these ends: then its death reads as end of file here.
+        inbox_r.close()
+        outbox_w.close()
+        try:
+            msg = outbox_r.recv()
+        except EOFError:
+            process.join()
+            raise EngineStartError(f"the engine process exited (exit code {process.exitcode}) while loading "
+                                   f"the model {config.model.model}; see the log above") from None
+        except BaseException:  # e.g. Ctrl-C while the model loads (the engine process ignores SIGTERM)
+            process.kill()
+            process.join()
+            raise
+        if isinstance(msg, EngineFailed):
+            process.join()
+            raise EngineStartError(f"could not load the model {config.model.model}: {msg.error}")
+        assert isinstance(msg, EngineReady), msg
+        return cls(process, inbox_w, outbox_r, msg, metrics)
+
+    def start(self) -> None:
+        """Begin sending and dispatching; call from the event loop that serves HTTP."""
+        self._loop = asyncio.get_running_loop()
+        self._sender.start()
+        self._loop.add_reader(self._outbox.fileno(), self._readable.set)
+        self._dispatcher = self._loop.create_task(self._dispatch_loop(), name="kestrel-engine-dispatcher")
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the engine to abort what still runs and exit; kill it if it does not."""
+        if self._loop is not None:
+            self._loop.remove_reader(self._outbox.fileno())
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+        self._send_queue.put(Shutdown())
+        self._send_queue.put(None)  # stops the sender thread after the Shutdown went out
+        if self._sender.is_alive():
+            await asyncio.to_thread(self._sender.join, timeout)
+        await asyncio.to_thread(self.process.join, timeout)
+        if self.process.is_alive():  # it ignores SIGTERM (see engine_main), so kill
+            logger.warning("the engine process did not exit within %.0f s; killing it", timeout)
+            self.process.kill()
+            self.process.join()
+
+    @property
+    def alive(self) -> bool:
+        return self.dead_reason is None and self.process.is_alive()
+
+    def dead_error(self) -> APIError:
+        reason = self.dead_reason or f"the engine process exited (exit code {self.process.exitcode})"
+        return APIError(503, f"{reason}; the server cannot generate until it is restarted", code="engine_dead")
+
+    # ---- requests ------------------------------------------------------------------------------
+    def new_rid(self) -> str:
+        return f"{uuid.uuid4().hex[:16]}-{next(self._rid_counter)}"
+
+    async def submit(self, reqs: list[NewRequest], arrival: float) -> RequestGroup:
+        """Queue the requests in the engine (all or none); raises APIError with the engine's reason."""
+        if not self.alive:
+            raise self.dead_error()
+        group = RequestGroup([r.rid for r in reqs])
+        self._groups[group.id] = group
+        for i, r in enumerate(reqs):
+            self._tracked[r.rid] = _Tracked(group, i, arrival)
+        self._send(AddRequests(group.id, reqs))
+        try:
+            await group.admitted
+        except APIError:
+            for rid in group.rids:
+                self._tracked.pop(rid, None)
+            raise
+        except asyncio.CancelledError:  # the client left before the engine answered
+            self.abort(group.rids)
+            raise
+        return group
+
+    def abort(self, rids: list[str]) -> None:
+        """Abort unfinished requests; their final deltas still arrive and still count in the metrics."""
+        live = [rid for rid in rids if rid in self._tracked]
+        if live and self.alive:
+            self._send(AbortRequests(live))
+
+    def _send(self, msg: Any) -> None:
+        self._send_queue.put(msg)
+
+    def _send_loop(self) -> None:
+        while (msg := self._send_queue.get()) is not None:
+            try:
+                self._inbox.send(msg)
+            except OSError as e:
+                if self._loop is not None and not isinstance(msg, Shutdown):
+                    self._loop.call_soon_threadsafe(self._on_dead, f"the engine process is gone ({e})")
+                return
+
+    # ---- outputs -------------------------------------------------------------------------------
+    async def _dispatch_loop(self) -> None:
+        while True:
+            await self._readable.wait()
+            self._readable.clear()
+            try:
+                while self._outbox.poll():
+                    self._dispatch(self._outbox.recv())
+            except (EOFError, OSError):
+                self._loop.remove_reader(self._outbox.fileno())
+                await asyncio.to_thread(self.process.join, 5.0)
+                self._on_dead(f"the engine process exited (exit code {self.process.exitcode})")
+                return
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, StepOutput):
+            now = time.monotonic()
+            for delta in msg.deltas:
+                self._on_delta(delta, now)
+        elif isinstance(msg, Admission):
+            group = self._groups.pop(msg.group, None)
+            if group is not None and not group.admitted.done():
+                if msg.error is None:
+                    group.admitted.set_result(None)
+                else:
+                    group.admitted.set_exception(APIError(msg.status, msg.error))
+        elif isinstance(msg, EngineStats):
+            self.stats = msg
+            self.metrics.on_stats(msg)
+        else:
+            logger.error("unexpected message from the engine process: %r", msg)
+
+    def _on_delta(self, delta: TokenDelta, now: float) -> None:
+        tracked = self._tracked.get(delta.rid)
+        if tracked is None:  # a request whose group was rejected
+            return
+        if delta.token_ids:
+            if tracked.last_token is None:
+                self.metrics.on_first_tokens(delta.prompt_tokens, delta.cached_tokens, now - tracked.arrival)
+                self.metrics.on_tokens(len(delta.token_ids), None)
+            else:
+                self.metrics.on_tokens(len(delta.token_ids), now - tracked.last_token)
+            tracked.last_token = now
+        if delta.finished:
+            del self._tracked[delta.rid]
+            self.metrics.on_finish(delta.finish_reason or "abort", now - tracked.arrival)
+        tracked.group.queue.put_nowait((tracked.index, delta))
+
+    def _on_dead(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        logger.error("%s: answering 503 from now on", reason)
+        error = self.dead_error()
+        for group in self._groups.values():
+            if not group.admitted.done():
+                group.admitted.set_exception(error)
+        self._groups.clear()
+        for group in {id(t.group): t.group for t in self._tracked.values()}.values():
+            group.queue.put_nowait(error)
+        self._tracked.clear()

@@ -1,0 +1,151 @@
+"""The engine process: loads the model, then runs the engine loop for the HTTP process.
+
+The loop blocks on its inbox while the engine has no work (no busy spin) and steps while it has
+some, draining the inbox between steps so new requests join the next batch and aborts free KV at
+once. It exits on `Shutdown` or when the HTTP process goes away (end of file on the inbox).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+from kestrel.config import EngineConfig
+from kestrel.core.request import Request
+from kestrel.server.messages import (AbortRequests, AddRequests, Admission, EngineFailed, EngineReady, EngineStats,
+                                     Shutdown, StepOutput, TokenDelta)
+
+if TYPE_CHECKING:
+    from kestrel.engine.engine import Engine
+
+logger = logging.getLogger("kestrel.engine_process")
+
+STATS_INTERVAL_S = 1.0  # while busy; besides, stats go out on every change between idle and busy
+
+
+def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, log_level: str) -> None:
+    """Entry point of the engine process (multiprocessing, spawn context)."""
+    # Ctrl-C (and a service manager's SIGTERM) reach the whole process group: the HTTP process lets
+    # running requests finish, then sends Shutdown. If it dies instead, our inbox reads end of file.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        from kestrel.engine.engine import Engine
+
+        engine = Engine(config=config)
+    except Exception as e:  # anything that stops the model from loading is reported, then we exit
+        logger.debug("model load failed", exc_info=True)
+        outbox.send(EngineFailed(f"{type(e).__name__}: {e}"))
+        raise SystemExit(1) from None
+    outbox.send(EngineReady(pid=os.getpid(), vocab_size=engine.vocab_size, max_req_len=engine.runner.max_req_len,
+                            max_total_tokens=engine.runner.allocator.size,
+                            context_length=engine.config.model.context_length))
+    EngineLoop(engine, inbox, outbox).run()
+
+
+class EngineLoop:
+    def __init__(self, engine: "Engine", inbox: Connection, outbox: Connection) -> None:
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.prompt_tokens = 0  # of admitted requests, for the cache hit rate
+        self.cached_tokens = 0
+        self.last_stats = 0.0
+        self.stats_sent_idle = False
+
+    def run(self) -> None:
+        try:
+            self._loop()
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            logger.info("the HTTP process is gone; engine process exiting")
+        except Exception:
+            logger.exception("the engine loop failed; engine process exiting")
+            raise SystemExit(1) from None
+        finally:
+            self.engine.shutdown()
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            idle = not engine.scheduler.has_work()
+            if idle and not self.stats_sent_idle:
+                self._send_stats()
+                self.stats_sent_idle = True
+            messages = self._receive(block=idle)
+            touched: list[str] = []
+            for msg in messages:
+                if isinstance(msg, AddRequests):
+                    touched += self._add(msg)
+                elif isinstance(msg, AbortRequests):
+                    for rid in msg.rids:
+                        engine.abort(rid)
+                    touched += msg.rids
+                elif isinstance(msg, Shutdown):
+                    return
+                else:
+                    raise TypeError(f"unexpected message {type(msg).__name__}")
+            if self.stats_sent_idle and engine.scheduler.has_work():
+                self._send_stats()  # busy now: replace the idle snapshot at once, not a second later
+                self.stats_sent_idle = False
+            news = engine.step_deltas(touched)
+            if news:
+                self.stats_sent_idle = False
+                self.outbox.send(StepOutput([self._delta(req, start) for req, start in news]))
+            if time.monotonic() - self.last_stats >= STATS_INTERVAL_S:
+                self._send_stats()
+
+    def _receive(self, block: bool) -> list[Any]:
+        """Every message waiting in the inbox; when `block`, wait for at least one."""
+        messages = [self.inbox.recv()] if block else []
+        while self.inbox.poll(0):
+            messages.append(self.inbox.recv())
+        return messages
+
+    def _add(self, msg: AddRequests) -> list[str]:
+        """Queue the whole group or none of it; reply with one `Admission`."""
+        added: list[str] = []
+        try:
+            for r in msg.reqs:
+                added.append(self.engine.add_request(prompt_token_ids=r.prompt_ids, sampling_params=r.params,
+                                                     rid=r.rid))
+        except ValueError as e:
+            error, status = str(e), 400
+        except Exception as e:  # a bug must not take the server down for everyone
+            logger.exception("add_request failed")
+            error, status = f"internal error while adding the request: {type(e).__name__}: {e}", 500
+        else:
+            self.outbox.send(Admission(msg.group))
+            return added
+        for rid in added:  # aborted ones are reported and forgotten by step_deltas(touched=added)
+            self.engine.abort(rid)
+        self.outbox.send(Admission(msg.group, error, status))
+        return added
+
+    def _delta(self, req: Request, start: int) -> TokenDelta:
+        if req.finished and req.admitted:
+            self.prompt_tokens += len(req.prompt_ids)
+            self.cached_tokens += req.cached_tokens
+        asked = req.params.logprobs is not None
+        return TokenDelta(
+            rid=req.rid, token_ids=req.output_ids[start:],
+            logprobs=req.output_logprobs[start:] if asked else None,
+            top_logprobs=req.output_top_logprobs[start:] if asked else None,
+            finished=req.finished, finish_reason=req.finish_reason, matched_stop=req.matched_stop,
+            prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
+
+    def _send_stats(self) -> None:
+        engine = self.engine
+        sched, alloc, radix = engine.scheduler, engine.runner.allocator, engine.radix
+        free = alloc.available_size() + radix.evictable_size()
+        self.outbox.send(EngineStats(
+            num_running=len(sched.running) + (sched.chunked is not None), num_waiting=len(sched.waiting),
+            num_used_tokens=alloc.size - free, num_evictable_tokens=radix.evictable_size(),
+            max_total_tokens=alloc.size,
+            cache_hit_rate=self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            num_retractions=sched.num_retractions))
+        self.last_stats = time.monotonic()

@@ -1,0 +1,115 @@
+"""One HTTP call's generation: its engine requests, their text (detokenized here), their end.
+
+Every endpoint (completions, chat, native /generate) runs through `Generation`: it submits one
+engine request per choice, turns the engine's token deltas into text deltas with its own
+`OutputText` per choice (incremental detokenization and stop strings, the same code the engine uses
+to stop), and aborts whatever is unfinished when it is closed early.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kestrel.core.sampling_params import SamplingParams
+from kestrel.engine.detokenizer import OutputText
+from kestrel.server.engine_client import EngineClient, RequestGroup
+from kestrel.server.errors import APIError
+from kestrel.server.messages import NewRequest
+
+
+@dataclass
+class ChoiceUpdate:
+    index: int
+    text: str  # new text
+    token_ids: list[int]  # new tokens
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+    finish_reason: str | None  # set on the choice's last update
+
+
+@dataclass
+class Choice:
+    index: int
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Generation:
+    def __init__(self, client: EngineClient, tokenizer, prompts: list[list[int]], params: list[SamplingParams],
+                 prompt_param: str = "prompt") -> None:
+        """One choice per (prompt ids, params) pair, in that order. Engine rejections of the prompt
+        (too long, empty, ids out of range) are reported against the field `prompt_param`."""
+        self.client = client
+        self.tokenizer = tokenizer
+        self.prompt_param = prompt_param
+        self.arrival = time.monotonic()
+        self.created = int(time.time())
+        self.choices = [Choice(i, client.new_rid(), ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
+        self._texts = [OutputText(tokenizer, c.prompt_ids, c.params) if tokenizer is not None else None
+                       for c in self.choices]
+        self._group: RequestGroup | None = None
+
+    async def start(self) -> None:
+        """Queue the choices in the engine; raises APIError (400 for a prompt the engine rejects)."""
+        reqs = [NewRequest(c.rid, c.prompt_ids, c.params) for c in self.choices]
+        try:
+            self._group = await self.client.submit(reqs, self.arrival)
+        except APIError as e:
+            if e.status == 400:
+                e.param = self.prompt_param
+            raise
+
+    async def updates(self) -> AsyncIterator[ChoiceUpdate]:
+        """Text and tokens as they come, until every choice finished; raises APIError if the engine dies."""
+        assert self._group is not None, "start() first"
+        while not all(c.finished for c in self.choices):
+            item = await self._group.queue.get()
+            if isinstance(item, APIError):
+                raise item
+            index, delta = item
+            choice, text = self.choices[index], self._texts[index]
+            new_text = text.add(delta.token_ids)[0] if text is not None else ""
+            if delta.finished:
+                new_text += text.finish() if text is not None else ""
+                choice.finish_reason, choice.matched_stop = delta.finish_reason or "abort", delta.matched_stop
+            choice.text += new_text
+            choice.token_ids += delta.token_ids
+            choice.cached_tokens = delta.cached_tokens
+            if delta.logprobs is not None:
+                choice.logprobs += delta.logprobs
+                choice.top_logprobs += delta.top_logprobs or []
+            yield ChoiceUpdate(index, new_text, delta.token_ids, delta.logprobs, delta.top_logprobs,
+                               choice.finish_reason)
+
+    async def run(self) -> list[Choice]:
+        """Run to the end (non-streaming)."""
+        async for _ in self.updates():
+            pass
+        return self.choices
+
+    def close(self) -> None:
+        """Abort the unfinished choices (client gone, error, shutdown). Safe to call more than once."""
+        if self._group is not None:
+            self.client.abort([c.rid for c in self.choices if not c.finished])
+
+    # ---- usage ---------------------------------------------------------------------------------
+    def usage(self, n: int = 1) -> dict:
+        """OpenAI usage; with n choices per prompt, each prompt counts once (its first choice)."""
+        firsts = self.choices[::n]
+        prompt = sum(len(c.prompt_ids) for c in firsts)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts)}}

@@ -1,0 +1,100 @@
+"""The message schema between the HTTP process and the engine process (pickled over pipes).
+
+HTTP → engine: `AddRequests`, `AbortRequests`, `Shutdown`.
+Engine → HTTP: first exactly one of `EngineReady` / `EngineFailed`; then `Admission` (one per
+`AddRequests`, always before any output of its requests), `StepOutput` (one per step that changed
+something) and `EngineStats` (when the engine goes idle, and periodically while busy).
+
+Every request reports exactly one `TokenDelta` with `finished=True`, including aborted ones, after
+which the engine has forgotten it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kestrel.core.sampling_params import SamplingParams
+
+
+# ---- HTTP → engine ------------------------------------------------------------------------------
+@dataclass
+class NewRequest:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class AddRequests:
+    """Requests of one HTTP call (n choices × prompts): admitted all together or none."""
+
+    group: str
+    reqs: list[NewRequest]
+
+
+@dataclass
+class AbortRequests:
+    rids: list[str]
+
+
+@dataclass
+class Shutdown:
+    """Abort whatever still runs and exit."""
+
+
+# ---- engine → HTTP ------------------------------------------------------------------------------
+@dataclass
+class EngineReady:
+    pid: int
+    vocab_size: int
+    max_req_len: int  # a prompt must be shorter; prompt + output never exceeds it
+    max_total_tokens: int  # KV pool size in tokens
+    context_length: int
+
+
+@dataclass
+class EngineFailed:
+    """The model could not be loaded; the engine process exits after sending this."""
+
+    error: str
+
+
+@dataclass
+class Admission:
+    group: str
+    error: str | None = None  # None: every request of the group was queued
+    status: int = 400  # HTTP status for the error: 400 bad input, 500 an engine bug
+
+
+@dataclass
+class TokenDelta:
+    """What one request got since its previous delta."""
+
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # one per token in token_ids, when logprobs were asked for
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    matched_stop: int | str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_used_tokens: int = 0  # KV slots held by live requests (cached, unlocked prefixes count as free)
+    num_evictable_tokens: int = 0  # KV slots holding unlocked radix-cache prefixes
+    max_total_tokens: int = 0
+    cache_hit_rate: float = 0.0  # cached / total prompt tokens of every admitted request since start
+    num_retractions: int = 0
+
+    @property
+    def token_usage(self) -> float:
+        return self.num_used_tokens / self.max_total_tokens if self.max_total_tokens else 0.0
+
+
+@dataclass
+class StepOutput:
+    deltas: list[TokenDelta] = field(default_factory=list)

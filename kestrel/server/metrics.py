@@ -1,0 +1,80 @@
+"""Prometheus metrics, exported by the HTTP process at `/metrics`.
+
+Token counters and latency histograms are updated from the engine's output messages as they
+arrive; the gauges come from the engine's periodic `EngineStats`. Names follow SGLang's
+(`sglang:num_running_reqs` → `kestrel:num_running_reqs`) so existing dashboards carry over.
+"""
+from __future__ import annotations
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
+
+from kestrel.server.messages import EngineStats
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """One registry per server (not the process-global one), so several apps can live in one process."""
+
+    def __init__(self, model_name: str) -> None:
+        disable_created_metrics()  # no `_created` series next to every counter: noise for dashboards
+        self.registry = registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"kestrel:{name}", doc, labels, registry=registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"kestrel:{name}", doc, labels, registry=registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"kestrel:{name}", doc, labels, buckets=buckets, registry=registry).labels(model_name)
+
+        self.num_running = gauge("num_running_reqs", "Requests running in the engine (prefill or decode)")
+        self.num_waiting = gauge("num_queue_reqs", "Requests waiting in the engine's queue")
+        self.token_usage = gauge("token_usage", "Share of the KV pool held by live requests (0..1)")
+        self.num_used_tokens = gauge("num_used_tokens", "KV pool slots held by live requests")
+        self.cache_hit_rate = gauge("cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens, "
+                                                      "over all admitted requests since start (0..1)")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating")
+        self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self._requests = Counter("kestrel:num_requests", "Finished requests, by finish reason",
+                                 labels + ["finish_reason"], registry=registry)
+        self._model_name = model_name
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token", _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token", _E2E_BUCKETS)
+
+    def on_stats(self, stats: EngineStats) -> None:
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.token_usage.set(stats.token_usage)
+        self.num_used_tokens.set(stats.num_used_tokens)
+        self.cache_hit_rate.set(stats.cache_hit_rate)
+
+    def on_first_tokens(self, prompt_tokens: int, cached_tokens: int, ttft: float) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        self.ttft.observe(ttft)
+
+    def on_tokens(self, n: int, since_previous: float | None) -> None:
+        """`n` tokens arrived together, `since_previous` seconds after the request's previous ones."""
+        self.generation_tokens.inc(n)
+        if since_previous is not None:
+            for _ in range(n):
+                self.itl.observe(since_previous / n)
+
+    def on_finish(self, finish_reason: str, e2e: float) -> None:
+        self._requests.labels(self._model_name, finish_reason).inc()
+        self.e2e.observe(e2e)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,84 @@
+"""SGLang's native `POST /generate`: `text` or `input_ids` (one or a batch), `sampling_params`, `stream`.
+
+The answer is one object per prompt × n, or a list of them for a batch or n > 1. Each has `text`,
+`output_ids` and `meta_info` (id, prompt/completion/cached tokens, finish_reason, e2e_latency, and
+`output_token_logprobs` / `output_top_logprobs` as (logprob, token id, None) when `return_logprob`).
+Streaming sends the same objects, with the text and ids so far, as server-sent events.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kestrel.server.errors import APIError, bad_request
+from kestrel.server.generation import Choice, Generation
+from kestrel.server.protocol import GenerateRequest, choice_params, native_sampling_params, validated
+from kestrel.server.sse import SSE_DONE, sse_event
+from kestrel.server.state import ServerState, parse_body, respond
+
+
+def _finish_reason(c: Choice) -> dict[str, Any] | None:
+    if c.finish_reason is None:
+        return None
+    if c.finish_reason == "stop":
+        return {"type": "stop", "matched": c.matched_stop}
+    if c.finish_reason == "length":
+        return {"type": "length", "length": len(c.token_ids)}
+    return {"type": c.finish_reason}
+
+
+def _output(gen: Generation, c: Choice, index: int | None) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": c.rid, "prompt_tokens": len(c.prompt_ids), "completion_tokens": len(c.token_ids),
+        "cached_tokens": c.cached_tokens, "finish_reason": _finish_reason(c),
+        "e2e_latency": time.monotonic() - gen.arrival}
+    if c.params.logprobs is not None:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids)]
+        meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in c.top_logprobs]
+    out = {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
+    if index is not None:
+        out["index"] = index
+    return out
+
+
+async def generate(state: ServerState, request: Request) -> Response:
+    body = await parse_body(request, GenerateRequest)
+    if (body.text is None) == (body.input_ids is None):
+        raise bad_request("give exactly one of text or input_ids", "text")
+    state.check_alive()
+    if body.text is not None:
+        batch = isinstance(body.text, list)
+        prompts = [state.encode(t, "text") for t in (body.text if batch else [body.text])]
+    else:
+        batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
+        prompts = body.input_ids if batch else [body.input_ids]
+    if not prompts:
+        raise bad_request("the batch of prompts is empty", "text" if body.text is not None else "input_ids")
+    try:
+        params, n = native_sampling_params(body.sampling_params,
+                                           body.top_logprobs_num if body.return_logprob else None)
+    except TypeError as e:
+        raise bad_request(f"invalid sampling_params: {e}", "sampling_params") from None
+    params = validated(params, state.client.info.vocab_size, {})
+    per_choice = choice_params(params, n)
+    gen = Generation(state.client, state.tokenizer, [p for p in prompts for _ in range(n)],
+                     per_choice * len(prompts), prompt_param="text" if body.text is not None else "input_ids")
+    many = batch or n > 1
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            async for u in gen.updates():
+                yield sse_event(_output(gen, gen.choices[u.index], u.index if many else None))
+        except APIError as e:
+            yield sse_event(e.body())
+        yield SSE_DONE
+
+    def whole() -> Any:
+        outs = [_output(gen, c, None) for c in gen.choices]
+        return outs if many else outs[0]
+
+    return await respond(request, gen, body.stream, events, whole)

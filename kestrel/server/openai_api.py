@@ -1,0 +1,172 @@
+"""`POST /v1/completions` and `POST /v1/chat/completions`, as the official `openai` client expects them."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kestrel.core.sampling_params import SamplingParams
+from kestrel.engine.tokenizer import apply_chat_template
+from kestrel.server.errors import APIError, bad_request
+from kestrel.server.generation import Choice, ChoiceUpdate, Generation
+from kestrel.server.protocol import (ChatCompletionRequest, CompletionRequest, choice_params, prompt_list,
+                                     validated)
+from kestrel.server.sse import SSE_DONE, sse_event
+from kestrel.server.state import ServerState, parse_body, respond
+
+_API_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def _expand(prompts: list[list[int]], params: SamplingParams, n: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """n choices per prompt, prompt-major (choice index = prompt index * n + j), as OpenAI orders them."""
+    per_choice = choice_params(params, n)
+    return [ids for ids in prompts for _ in range(n)], per_choice * len(prompts)
+
+
+async def _events(gen: Generation, head: dict[str, Any], chunk_choice: Callable[[ChoiceUpdate], dict | None],
+                  include_usage: bool, n: int, first: list[dict] | None = None) -> AsyncIterator[bytes]:
+    """SSE chunks: `first` choices (role / echo), one chunk per update worth sending, usage, [DONE]."""
+    try:
+        if first:
+            for choice in first:
+                yield sse_event({**head, "choices": [choice]})
+        async for update in gen.updates():
+            choice = chunk_choice(update)
+            if choice is not None:
+                yield sse_event({**head, "choices": [choice]})
+        if include_usage:
+            yield sse_event({**head, "choices": [], "usage": gen.usage(n)})
+    except APIError as e:  # the engine died mid-stream: say so in the stream, then end it
+        yield sse_event(e.body())
+    yield SSE_DONE
+
+
+def _worth_sending(update: ChoiceUpdate) -> bool:
+    """Skip chunks with nothing in them (a character split across tokens), unless they carry logprobs."""
+    return bool(update.text) or update.finish_reason is not None or update.logprobs is not None
+
+
+# ---- /v1/completions ----------------------------------------------------------------------------
+def _completion_logprobs(state: ServerState, ids: list[int], logprobs: list[float],
+                         tops: list[list[tuple[int, float]]], offset: int) -> dict[str, Any]:
+    tokens = [state.token_text(t) for t in ids]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": logprobs, "text_offset": offsets,
+            "top_logprobs": [{state.token_text(t): lp for t, lp in top} for top in tops]}
+
+
+async def completions(state: ServerState, request: Request) -> Response:
+    body = await parse_body(request, CompletionRequest)
+    state.check_model(body.model)
+    body.reject_unsupported()
+    state.check_alive()
+    texts, _ = prompt_list(body.prompt)
+    prompts = [state.encode(p, "prompt") if isinstance(p, str) else p for p in texts]
+    max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    params = validated(body.sampling_params(max_tokens, body.logprobs), state.client.info.vocab_size,
+                       _API_NAMES)
+    gen = Generation(state.client, state.tokenizer, *_expand(prompts, params, body.n))
+    echoes = [(p if isinstance(p, str) else state.decode(p)) if body.echo else "" for p in texts]
+    echo_of = [echoes[i // body.n] for i in range(len(gen.choices))]
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": gen.created,
+            "model": state.served_model_name}
+    offsets = [len(e) for e in echo_of]  # text_offset of the next token, per choice
+
+    def logprobs_of(index: int, ids: list[int], lps: list[float] | None, tops: list | None) -> dict | None:
+        if lps is None:
+            return None
+        out = _completion_logprobs(state, ids, lps, tops or [], offsets[index])
+        offsets[index] += sum(len(t) for t in out["tokens"])
+        return out
+
+    def chunk_choice(u: ChoiceUpdate) -> dict | None:
+        if not _worth_sending(u):
+            return None
+        return {"index": u.index, "text": u.text, "finish_reason": u.finish_reason,
+                "logprobs": logprobs_of(u.index, u.token_ids, u.logprobs, u.top_logprobs),
+                "matched_stop": gen.choices[u.index].matched_stop if u.finish_reason else None}
+
+    def events() -> AsyncIterator[bytes]:
+        first = [{"index": i, "text": e, "finish_reason": None, "logprobs": None}
+                 for i, e in enumerate(echo_of) if e]
+        return _events(gen, head, chunk_choice, body.include_usage(), body.n, first)
+
+    def final(c: Choice) -> dict[str, Any]:
+        lps = c.logprobs if c.params.logprobs is not None else None
+        return {"index": c.index, "text": echo_of[c.index] + c.text, "finish_reason": c.finish_reason,
+                "logprobs": logprobs_of(c.index, c.token_ids, lps, c.top_logprobs), "matched_stop": c.matched_stop}
+
+    return await respond(request, gen, body.stream, events,
+                         lambda: {**head, "choices": [final(c) for c in gen.choices], "usage": gen.usage(body.n)})
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------------
+def _chat_logprobs(state: ServerState, ids: list[int], logprobs: list[float],
+                   tops: list[list[tuple[int, float]]]) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = state.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(tt, tlp) for tt, tlp in top]}
+                        for t, lp, top in zip(ids, logprobs, tops or [[]] * len(ids))]}
+
+
+async def chat_completions(state: ServerState, request: Request) -> Response:
+    body = await parse_body(request, ChatCompletionRequest)
+    state.check_model(body.model)
+    body.reject_unsupported()
+    state.check_alive()
+    tokenizer = state.need_tokenizer("chat messages", "messages")
+    try:
+        prompt = apply_chat_template(tokenizer, body.messages)
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    if max_tokens is None:  # as vLLM: up to the end of the context
+        max_tokens = max(1, state.client.info.max_req_len - len(prompt))
+    params = validated(body.sampling_params(max_tokens, body.engine_top_logprobs()), state.client.info.vocab_size,
+                       {**_API_NAMES, "max_new_tokens": name, "logprobs": "top_logprobs"})
+    gen = Generation(state.client, tokenizer, *_expand([prompt], params, body.n), prompt_param="messages")
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": gen.created,
+            "model": state.served_model_name}
+
+    def logprobs_of(ids: list[int], lps: list[float] | None, tops: list | None) -> dict | None:
+        return None if lps is None else _chat_logprobs(state, ids, lps, tops or [])
+
+    def chunk_choice(u: ChoiceUpdate) -> dict | None:
+        if not _worth_sending(u):
+            return None
+        return {"index": u.index, "delta": {"content": u.text} if u.text else {},
+                "logprobs": logprobs_of(u.token_ids, u.logprobs, u.top_logprobs), "finish_reason": u.finish_reason,
+                "matched_stop": gen.choices[u.index].matched_stop if u.finish_reason else None}
+
+    def events() -> AsyncIterator[bytes]:
+        first = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None} for c in gen.choices]
+        return _events(gen, head, chunk_choice, body.include_usage(), body.n, first)
+
+    def final(c: Choice) -> dict[str, Any]:
+        lps = c.logprobs if c.params.logprobs is not None else None
+        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": logprobs_of(c.token_ids, lps, c.top_logprobs), "finish_reason": c.finish_reason,
+                "matched_stop": c.matched_stop}
+
+    return await respond(request, gen, body.stream, events,
+                         lambda: {**head, "object": "chat.completion", "choices": [final(c) for c in gen.choices],
+                                  "usage": gen.usage(body.n)})
+
+
+def models(state: ServerState) -> dict[str, Any]:
+    info = state.client.info
+    return {"object": "list", "data": [{
+        "id": state.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "kestrel",
+        "root": state.model_path, "max_model_len": info.context_length}]}

@@ -1,0 +1,72 @@
+"""Server-sent events, and noticing a client that left, for streaming and non-streaming answers.
+
+A client that disconnects must free its KV at once, not when its request would have ended: both
+helpers watch the ASGI `receive` channel for `http.disconnect` next to the work, and the caller's
+`on_close` (which aborts the engine requests still running) always runs at the end.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+
+
+def sse_event(payload: Any) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first (then raise ClientGone)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        raise ClientGone()
+    return task.result()
+
+
+class EventStream(StreamingResponse):
+    """An SSE response of the `events` byte chunks; `on_close()` runs however the stream ends."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.events = events
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def pump() -> None:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        try:
+            await until_disconnect(receive, pump())
+        except (ClientGone, OSError):
+            pass  # the client left: nothing to send it
+        finally:
+            self.on_close()

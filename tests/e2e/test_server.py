@@ -1,0 +1,374 @@
+"""`kestrel serve` end to end: a real server subprocess, the official `openai` client, CPU only."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kestrel import Engine, SamplingParams
+from kestrel.engine.tokenizer import apply_chat_template
+from tests.e2e.server_process import REPO, ServerProcess, free_port, pid_exists, serve_command
+
+NAME = "tiny"
+KEY = "sk-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+IGNORE_EOS = {"ignore_eos": True}  # the random model may pick eos at any point; counts must be exact
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello in French."}]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model) -> str:
+    return tiny_model("llama", max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    srv = ServerProcess(model, "--served-model-name", NAME, "--api-key", KEY)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def offline(model):
+    with Engine(model=model, device="cpu", dtype="float32") as engine:
+        yield engine
+
+
+def greedy(max_tokens: int) -> dict:
+    return dict(model=NAME, max_tokens=max_tokens, temperature=0, extra_body=IGNORE_EOS)
+
+
+def wait_idle(http: httpx.Client, timeout: float = 30.0) -> dict:
+    """Poll until the engine runs nothing and holds no KV (the pool is back to full); return its stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = http.get("/server_info").json()["stats"]
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["num_used_tokens"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"engine not idle: {stats}"
+        time.sleep(0.05)
+
+
+def metric_samples(http: httpx.Client) -> dict[tuple[str, tuple], float]:
+    text = http.get("/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    key = (name, tuple(sorted({"model_name": NAME, **labels}.items())))
+    return samples.get(key, 0.0)
+
+
+# ---- completions and chat -----------------------------------------------------------------------
+def test_completion_greedy_equals_offline_engine_with_usage(client, offline):
+    prompt = "def fibonacci(n):"
+    out = client.completions.create(prompt=prompt, **greedy(12))
+    expected = offline.generate(prompt, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert out.choices[0].text == expected.text
+    assert out.choices[0].finish_reason == "length"
+    n_prompt = len(offline.tokenizer.encode(prompt))
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (n_prompt, 12, n_prompt + 12)
+    again = client.completions.create(prompt=prompt, **greedy(12))
+    assert again.choices[0].text == expected.text
+    assert again.usage.prompt_tokens_details.cached_tokens == n_prompt - 1  # the radix cache kept the prompt
+
+
+def test_chat_greedy_equals_offline_engine_streamed_or_not(client, offline):
+    whole = client.chat.completions.create(messages=MESSAGES, **greedy(10))
+    ids = apply_chat_template(offline.tokenizer, MESSAGES)
+    expected = offline.generate(prompt_token_ids=ids,
+                                sampling_params=SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))[0]
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == expected.text
+    assert whole.choices[0].finish_reason == "length"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), 10)
+
+    chunks = list(client.chat.completions.create(messages=MESSAGES, stream=True,
+                                                 stream_options={"include_usage": True}, **greedy(10)))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_sampled_stream_equals_non_stream_for_the_same_seed(client):
+    args = dict(model=NAME, prompt="Once upon a time", max_tokens=10, temperature=0.9, seed=5, extra_body=IGNORE_EOS)
+    whole = client.completions.create(**args)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 10
+
+
+def test_n2_and_prompt_lists_give_one_choice_each(client):
+    args = dict(model=NAME, prompt="Bonjour", max_tokens=8, temperature=1.0, seed=3, extra_body=IGNORE_EOS)
+    two = client.completions.create(n=2, **args)
+    one = client.completions.create(**args)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].text == one.choices[0].text  # choice 0 keeps the seed; choice 1 derives its own
+    assert two.choices[1].text != two.choices[0].text
+    assert (two.usage.prompt_tokens, two.usage.completion_tokens) == (one.usage.prompt_tokens, 16)
+
+    streamed = list(client.chat.completions.create(messages=MESSAGES, n=2, stream=True, **greedy(4)))
+    finished = {c.choices[0].index: c.choices[0].finish_reason for c in streamed if c.choices[0].finish_reason}
+    assert finished == {0: "length", 1: "length"}
+
+    prompts = ["Hello", [5, 6, 7, 8]]
+    both = client.completions.create(prompt=prompts, **greedy(5))
+    singles = [client.completions.create(prompt=p, **greedy(5)).choices[0].text for p in prompts]
+    assert [c.text for c in both.choices] == singles
+
+
+def test_stop_string_cuts_the_text_streamed_or_not(client):
+    args = dict(prompt="The quick brown fox", **greedy(24))
+    text = client.completions.create(**args).choices[0].text
+    k = next(i for i in range(3, len(text) - 1) if text[i:i + 2].isascii() and text[i:i + 2].isprintable())
+    stop = text[k:k + 2]
+    expected = text[:text.index(stop)]
+    out = client.completions.create(stop=[stop, "never-there"], **args)
+    assert out.choices[0].text == expected
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].model_extra["matched_stop"] == stop
+    chunks = list(client.completions.create(stop=stop, stream=True, **args))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_logprobs_and_echo(client):
+    out = client.completions.create(prompt="Hello", logprobs=3, **greedy(5))
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3 and chosen <= 0
+        assert chosen == pytest.approx(max(top.values()))  # greedy takes the most likely token
+    assert "".join(lp.tokens) == out.choices[0].text
+
+    chat = client.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=2, **greedy(4))
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)
+
+    echoed = client.completions.create(prompt="Hello", echo=True, **greedy(4))
+    plain = client.completions.create(prompt="Hello", **greedy(4))
+    assert echoed.choices[0].text == "Hello" + plain.choices[0].text
+    chunks = list(client.completions.create(prompt="Hello", echo=True, stream=True, **greedy(4)))
+    assert chunks[0].choices[0].text == "Hello"
+
+
+def test_models_health_and_native_generate(client, http, offline):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert http.get("/health").status_code == 200
+
+    prompt = "import torch"
+    expected = offline.generate(prompt, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))[0]
+    sampling = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    out = http.post("/generate", json={"text": prompt, "sampling_params": sampling}).json()
+    assert out["text"] == expected.text and out["output_ids"] == expected.token_ids
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert out["meta_info"]["completion_tokens"] == 6
+
+    ids = offline.tokenizer.encode(prompt)
+    batch = http.post("/generate", json={"input_ids": [ids, ids], "sampling_params": sampling}).json()
+    assert [b["output_ids"] for b in batch] == [expected.token_ids] * 2
+
+    with http.stream("POST", "/generate", json={"text": prompt, "sampling_params": sampling, "stream": True}) as r:
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["text"] == expected.text  # each event carries the text so far
+
+
+# ---- load, bad input, disconnects, auth, metrics --------------------------------------------------
+def test_32_concurrent_streams_all_complete_with_exact_token_counts(server, http):
+    async def one(aclient: openai.AsyncOpenAI, i: int) -> tuple[int, int, str | None]:
+        stream = await aclient.completions.create(
+            model=NAME, prompt=f"Request {i}: tell me about number {i}", max_tokens=4 + i % 9, temperature=0.8,
+            seed=i, stream=True, stream_options={"include_usage": True}, extra_body=IGNORE_EOS)
+        usage, reason = None, None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                reason = chunk.choices[0].finish_reason
+            usage = chunk.usage or usage
+        return 4 + i % 9, usage.completion_tokens, reason
+
+    async def main() -> list:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(32)))
+
+    results = asyncio.run(main())
+    assert all(asked == got and reason == "length" for asked, got, reason in results), results
+    wait_idle(http)
+
+
+BAD_INPUTS = [
+    # (path, body: dict, or bytes sent as is, the `param` the error should name)
+    ("/v1/completions", b"{not json", None),
+    ("/v1/completions", b"[1, 2]", None),
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', None),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, "model"),
+    ("/v1/completions", {"model": NAME}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": 3}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": 7}, "stop"),
+    ("/v1/completions", {"prompt": "x", "seed": "abc"}, "seed"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"prompt": "hello world " * 600}, "prompt"),  # longer than the 1024-token context
+    ("/v1/completions", {"prompt": [3, 4, 100000]}, "prompt"),  # token id outside the vocabulary
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": "", "max_tokens": 3}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**7}, "prompt"),  # more than the KV pool
+    ("/v1/chat/completions", {"model": NAME}, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": -2}, "max_completion_tokens"),
+    ("/generate", {"text": "x", "input_ids": [1]}, "text"),
+    ("/generate", {"text": "x", "sampling_params": {"bogus": 1}}, "sampling_params"),
+    ("/generate", {"text": "x", "sampling_params": {"temperature": -1}}, "temperature"),
+    ("/generate", {"input_ids": []}, "input_ids"),
+]
+
+
+def test_bad_input_gets_an_openai_style_400_and_the_server_keeps_serving(client, http):
+    for path, body, param in BAD_INPUTS:
+        if isinstance(body, bytes):
+            r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+        else:
+            r = http.post(path, json=body)
+        assert r.status_code == 400, (path, body, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+        assert error["type"] == "invalid_request_error" and error["param"] == param, (body, error)
+    with pytest.raises(openai.BadRequestError, match="does not exist"):
+        client.completions.create(model="nope", prompt="x")
+    assert http.get("/v1/nothing-here").json()["error"]["type"] == "not_found_error"
+    assert client.completions.create(prompt="still fine", **greedy(3)).usage.completion_tokens == 3
+    wait_idle(http)
+
+
+def test_disconnect_aborts_the_request_and_frees_its_kv(http):
+    aborted = metric(metric_samples(http), "kestrel:num_requests_total", finish_reason="abort")
+    body = {"prompt": "a long story", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 4:
+                break  # leaving the block closes the connection mid-stream
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up is noticed too
+        http.post("/v1/completions", json=body, timeout=0.5)
+    wait_idle(http)
+    assert metric(metric_samples(http), "kestrel:num_requests_total", finish_reason="abort") == aborted + 2
+
+
+def test_api_key_is_enforced_on_v1_and_generate(server):
+    with httpx.Client(base_url=server.url, timeout=30) as anon:
+        for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                             ("POST", "/generate")]:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+                r = anon.request(method, path, headers=headers, json={})
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
+        assert anon.get("/health").status_code == 200
+        assert anon.get("/metrics").status_code == 200
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_metrics_parse_and_count_tokens(client, http):
+    before = metric_samples(http)
+    client.completions.create(prompt="count me", **greedy(7))
+    wait_idle(http)
+    after = metric_samples(http)
+    for name in ["kestrel:num_running_reqs", "kestrel:num_queue_reqs", "kestrel:token_usage",
+                 "kestrel:cache_hit_rate", "kestrel:time_to_first_token_seconds_count",
+                 "kestrel:inter_token_latency_seconds_count", "kestrel:e2e_request_latency_seconds_count"]:
+        assert (name, (("model_name", NAME),)) in after, name
+    assert metric(after, "kestrel:generation_tokens_total") - metric(before, "kestrel:generation_tokens_total") == 7
+    assert metric(after, "kestrel:prompt_tokens_total") > metric(before, "kestrel:prompt_tokens_total")
+    assert metric(after, "kestrel:num_requests_total", finish_reason="length") == \
+        metric(before, "kestrel:num_requests_total", finish_reason="length") + 1
+    assert metric(after, "kestrel:time_to_first_token_seconds_count") == \
+        metric(before, "kestrel:time_to_first_token_seconds_count") + 1
+    assert metric(after, "kestrel:inter_token_latency_seconds_count") == \
+        metric(before, "kestrel:inter_token_latency_seconds_count") + 6
+    assert metric(after, "kestrel:num_running_reqs") == 0 and metric(after, "kestrel:token_usage") == 0
+    assert 0 < metric(after, "kestrel:cache_hit_rate") < 1
+
+
+def test_sigterm_lets_running_streams_finish_then_stops_the_engine(server, http, client):
+    """Last test of the module server: it stops it."""
+    engine_pid = http.get("/server_info").json()["engine_pid"]
+    stream = client.completions.create(prompt="last words", stream=True, **greedy(40))
+    first = next(iter(stream))
+    server.proc.send_signal(signal.SIGTERM)
+    rest = list(stream)
+    assert [c.choices[0].finish_reason for c in [first, *rest]][-1] == "length"
+    assert server.proc.wait(30) == 0
+    assert not pid_exists(engine_pid)
+
+
+# ---- start-up failures and a dead engine ------------------------------------------------------------
+def test_taken_port_fails_before_loading_the_model(model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run(serve_command(model, port), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in run.stderr
+    assert "KV pool" not in run.stderr  # the model was never loaded
+
+
+def test_unloadable_model_exits_nonzero_with_the_reason(model, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(model, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    run = subprocess.run(serve_command(str(broken), free_port()), cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 1
+    assert "could not load the model" in run.stderr, run.stderr
+
+
+def test_dead_engine_gives_503_and_unhealthy_instead_of_hanging(model):
+    srv = ServerProcess(model, "--served-model-name", NAME)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            engine_pid = http.get("/server_info").json()["engine_pid"]
+            os.kill(engine_pid, signal.SIGKILL)
+            deadline = time.monotonic() + 20
+            while http.get("/health").status_code != 503:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert http.get("/health").json()["error"]["code"] == "engine_dead"
+            r = http.post("/v1/completions", json={"prompt": "anyone?", "max_tokens": 2})
+            assert r.status_code == 503 and "engine process" in r.json()["error"]["message"]
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+            with pytest.raises(openai.InternalServerError):
+                c.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=2)
+    finally:
+        assert srv.stop() == 0, srv.log()
