@@ -37,14 +37,13 @@ class TritonBackend:
                 batch: ForwardBatch) -> torch.Tensor:
         from kestrel.attention.triton.decode import decode_attention
         from kestrel.attention.triton.extend import extend_attention
+        from kestrel.attention.triton.store import store_kv
 
-        self.kv_pool.write(layer.layer_id, batch.out_cache_loc,
-                           k.view(-1, layer.num_kv_heads, layer.head_dim),
-                           v.view(-1, layer.num_kv_heads, layer.head_dim))
-        q = q.view(-1, layer.num_heads, layer.head_dim)
-        out = torch.empty_like(q)
         k_buf = self.kv_pool.k_buffers[layer.layer_id]
         v_buf = self.kv_pool.v_buffers[layer.layer_id]
+        store_kv(k, v, k_buf, v_buf, batch.out_cache_loc)
+        q = q.reshape(-1, layer.num_heads, layer.head_dim)
+        out = torch.empty_like(q)
         table = self.req_to_token.table
         if batch.forward_mode is ForwardMode.DECODE:
             decode_attention(q, k_buf, v_buf, out, table, batch.req_pool_indices, batch.seq_lens,

@@ -37,7 +37,8 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rope to q [T, H*D] and k [T, Hkv*D] at `positions` [T]; shapes and dtype are kept.
+    """Applies rope at `positions` [T] to x [T, heads * D]: the query and key heads side by side, so
+    one call (one kernel on the Triton path) rotates both. Shape and dtype are kept.
 
     The cache is float32 [max_positions, D] (cos in the first half, sin in the second) and is not a
     checkpoint parameter; cos/sin are cast to the activation dtype before use, as transformers does.
@@ -52,17 +53,12 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
             from kestrel.layers.rope_triton import rope_triton
 
-            return (rope_triton(q, positions, self.cos_sin_cache, self.head_dim),
-                    rope_triton(k, positions, self.cos_sin_cache, self.head_dim))
-        cos, sin = self.cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)
+            return rope_triton(x, positions, self.cos_sin_cache, self.head_dim)
+        cos, sin = self.cos_sin_cache[positions].to(x.dtype).chunk(2, dim=-1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D/2], broadcast over heads
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x.view(x.shape[0], -1, self.head_dim)
-        x1, x2 = x.chunk(2, dim=-1)
+        x1, x2 = x.view(x.shape[0], -1, self.head_dim).chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(1)

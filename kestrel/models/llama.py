@@ -37,11 +37,14 @@ class LlamaAttention(nn.Module):
                                    sliding_window=cfg.sliding_windows[layer_id])
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
-            q = self.q_norm(q.view(q.shape[0], -1, self.head_dim)).flatten(1)
-            k = self.k_norm(k.view(k.shape[0], -1, self.head_dim)).flatten(1)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(q.shape[0], -1, self.head_dim)).flatten(1)
+            k = self.k_norm(k.reshape(k.shape[0], -1, self.head_dim)).flatten(1)
+            qk = torch.cat([q, k], dim=-1)
+        # Query and key heads sit side by side in `qk`: one rope call rotates both.
+        q, k = self.rotary_emb(positions, qk).split([self.q_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, v, batch))
 
 

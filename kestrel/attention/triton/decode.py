@@ -13,11 +13,12 @@ import triton.language as tl
 
 @triton.jit
 def _decode_partial_kernel(
-    Q, K, V, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_row,
+    Q, K, V, O, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_row,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, sm_scale, window, num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -63,12 +64,16 @@ def _decode_partial_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    # An empty chunk (short sequence, or outside the window) gets lse = -inf and weight 0 in stage 2.
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_i))
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_base = b * stride_mb + heads * stride_mh + split * stride_ms
-    tl.store(mid_o + o_base[:, None] + offs_d[None, :], out, mask=h_mask[:, None] & d_mask[None, :])
-    tl.store(mid_lse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+    if DIRECT:  # a single split is the whole answer: no second stage
+        tl.store(O + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=h_mask[:, None] & d_mask[None, :])
+    else:
+        # An empty chunk (short sequence, or outside the window) gets lse = -inf and weight 0 in stage 2.
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_i))
+        o_base = b * stride_mb + heads * stride_mh + split * stride_ms
+        tl.store(mid_o + o_base[:, None] + offs_d[None, :], out, mask=h_mask[:, None] & d_mask[None, :])
+        tl.store(mid_lse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
 
 
 @triton.jit
@@ -94,24 +99,29 @@ def _decode_merge_kernel(
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                      sm_scale: float, sliding_window: int | None, upcast: bool, num_splits: int,
-                     block_n: int = 64) -> None:
+                     block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> None:
     """q/out: [B, num_heads, head_dim] (one token per request); k_buf/v_buf: [slots, num_kv_heads, head_dim]."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    mid_o = torch.empty((batch, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    direct = num_splits == 1
+    mid_shape = (1, 1, 1) if direct else (batch, num_heads, num_splits)
+    mid_o = torch.empty((*mid_shape, block_d), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(mid_shape, dtype=torch.float32, device=q.device)
     _decode_partial_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_buf, v_buf, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens,
+        q, k_buf, v_buf, out, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+        out.stride(0), out.stride(1), req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
         mid_lse.stride(1), sm_scale, sliding_window or 0, num_splits,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=block_n, USE_WINDOW=sliding_window is not None, UPCAST=upcast,
         # float32 stays float32 (TF32 would drift from the reference); half types use tensor cores.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct,
+        num_warps=num_warps, num_stages=num_stages,
     )
+    if direct:
+        return
     _decode_merge_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
         mid_lse.stride(1), out.stride(0), out.stride(1),
