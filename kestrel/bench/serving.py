@@ -1,0 +1,113 @@
+"""Online serving benchmark: an HTTP load generator against a running `kestrel serve`.
+
+    kestrel serve --model MODEL &
+    python -m kestrel.bench.serving --base-url http://127.0.0.1:30000 --num-prompts 512 \
+        --max-concurrency 64 --random-input-len 1000 --random-output-len 500 --random-range-ratio 0.2
+
+Requests go to the native `/generate` endpoint as token ids (no tokenizer needed), streamed, greedy,
+ignore_eos. Reports throughput, TTFT, inter-token latency (ITL) and end-to-end latency (median, p99).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+
+from kestrel.bench.common import median, percentile, random_lengths, random_prompts, report
+
+
+async def one_request(client, url: str, prompt: list[int], output_len: int, headers: dict) -> dict:
+    body = {"input_ids": prompt, "stream": True,
+            "sampling_params": {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}}
+    start = time.perf_counter()
+    ttft, last, tokens, gaps = None, start, 0, []
+    async with client.stream("POST", url, json=body, headers=headers) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"])
+            done = event["meta_info"]["completion_tokens"]
+            if done > tokens:
+                now = time.perf_counter()
+                if ttft is None:
+                    ttft = now - start
+                else:  # an event carrying k tokens counts k gaps of equal share
+                    gaps += [(now - last) / (done - tokens)] * (done - tokens)
+                last, tokens = now, done
+    return {"ttft": ttft, "itl": gaps, "e2e": time.perf_counter() - start, "output_tokens": tokens,
+            "input_tokens": len(prompt)}
+
+
+async def run(args: argparse.Namespace) -> dict:
+    import httpx
+
+    rng = random.Random(args.seed)
+    in_lens = random_lengths(args.num_prompts, args.random_input_len, args.random_range_ratio, rng)
+    out_lens = random_lengths(args.num_prompts, args.random_output_len, args.random_range_ratio, rng)
+    prompts = random_prompts(in_lens, args.vocab_size, rng)
+    url = args.base_url.rstrip("/") + "/generate"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limit = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
+    timeout = httpx.Timeout(None, connect=10.0)
+
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
+        async def limited(i: int) -> dict:
+            async with limit:
+                return await one_request(client, url, prompts[i], out_lens[i], headers)
+
+        await one_request(client, url, prompts[0][:16], 4, headers)  # warm-up
+        start = time.perf_counter()
+        tasks = []
+        for i in range(args.num_prompts):
+            tasks.append(asyncio.create_task(limited(i)))
+            if args.request_rate != float("inf"):  # Poisson arrivals
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - start
+    itl = [g for r in results for g in r["itl"]]
+    ttft = [r["ttft"] for r in results]
+    e2e = [r["e2e"] for r in results]
+    out_tokens = sum(r["output_tokens"] for r in results)
+    assert out_tokens == sum(out_lens), "every request must produce its full output (ignore_eos)"
+    ms = 1e3
+    return {
+        "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
+        "elapsed_s": elapsed, "output_tok_per_s": out_tokens / elapsed,
+        "total_tok_per_s": (out_tokens + sum(in_lens)) / elapsed, "request_per_s": args.num_prompts / elapsed,
+        "ttft_median_ms": median(ttft) * ms, "ttft_p99_ms": percentile(ttft, 99) * ms,
+        "itl_median_ms": median(itl) * ms, "itl_p99_ms": percentile(itl, 99) * ms,
+        "e2e_median_ms": median(e2e) * ms, "e2e_p99_ms": percentile(e2e, 99) * ms,
+        "input_tokens": sum(in_lens), "output_tokens": out_tokens,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", default="http://127.0.0.1:30000")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
+    parser.add_argument("--random-input-len", type=int, default=1000)
+    parser.add_argument("--random-output-len", type=int, default=500)
+    parser.add_argument("--random-range-ratio", type=float, default=0.2)
+    parser.add_argument("--vocab-size", type=int, default=32000, help="random token ids are drawn below this")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    result = asyncio.run(run(args))
+    rows = [("prompts / concurrency", f"{args.num_prompts} / {args.max_concurrency or 'unlimited'}"),
+            ("output tok/s", result["output_tok_per_s"]), ("requests/s", result["request_per_s"])]
+    rows += [(f"{k.replace('_', ' ')}", result[k]) for k in
+             ("ttft_median_ms", "ttft_p99_ms", "itl_median_ms", "itl_p99_ms", "e2e_median_ms", "e2e_p99_ms")]
+    report("serving", rows, result, args.json)
+
+
+if __name__ == "__main__":
+    main()
