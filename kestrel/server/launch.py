@@ -63,13 +63,13 @@ class _Server(uvicorn.Server):
 
 def serve(config: EngineConfig, served_model_name: str | None = None) -> None:
     """Run the server until SIGINT/SIGTERM. Raises ServerStartError (or ValueError for bad config)."""
+    name = served_model_name or config.model.model  # as the user named it ("demo"), not the resolved folder
     config = config.resolve()
     server_config = config.server
     sock = bind(server_config.host, server_config.port)
     client: EngineClient | None = None
     try:
         tokenizer = load_tokenizer(config.model.tokenizer or config.model.model, required=False)
-        name = served_model_name or config.model.model
         metrics = ServerMetrics(name)
         try:
             client = EngineClient.launch(config, server_config.log_level, metrics)
