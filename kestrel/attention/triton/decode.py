@@ -99,7 +99,7 @@ def _decode_merge_kernel(
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                      sm_scale: float, sliding_window: int | None, upcast: bool, num_splits: int,
-                     block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> None:
+                     block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> None:
     """q/out: [B, num_heads, head_dim] (one token per request); k_buf/v_buf: [slots, num_kv_heads, head_dim]."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
