@@ -42,7 +42,7 @@ def main() -> None:
         except Exception as e:  # a configuration that does not fit (shared memory) is skipped
             print(f"  BLOCK_N {block_n:>3} warps {warps} stages {stages}: failed ({type(e).__name__})")
             continue
-        print(f"  BLOCK_N {block_n:>3} warps {warps} stages {stages}: {ms:.3f} ms  {kv_bytes / ms / 1e9:.0f} GB/s")
+        print(f"  BLOCK_N {block_n:>3} warps {warps} stages {stages}: {ms:.3f} ms  {kv_bytes / ms / 1e6:.0f} GB/s")
 
 
 if __name__ == "__main__":

@@ -63,12 +63,14 @@ class SamplingBatch:
     """
 
     vocab_size: int
-    greedy: torch.Tensor  # [B] bool, temperature == 0
     all_greedy: bool
-    temperatures: torch.Tensor  # [B] float32, 1.0 on greedy rows
-    seed_lo: torch.Tensor  # [B] int64, low 32 bits of the 64-bit seed
-    seed_hi: torch.Tensor  # [B] int64, high 32 bits
-    positions: torch.Tensor  # [B] int64, position of the token being generated
+    # The sampling-path tensors are None in an all-greedy batch (argmax needs none of them, and each
+    # would cost a host-to-device copy every step).
+    greedy: torch.Tensor | None  # [B] bool, temperature == 0
+    temperatures: torch.Tensor | None  # [B] float32, 1.0 on greedy rows
+    seed_lo: torch.Tensor | None  # [B] int64, low 32 bits of the 64-bit seed
+    seed_hi: torch.Tensor | None  # [B] int64, high 32 bits
+    positions: torch.Tensor | None  # [B] int64, position of the token being generated
     top_ks: torch.Tensor | None  # [B] int64, vocab_size where disabled
     top_ps: torch.Tensor | None  # [B] float32, inf where disabled (keeps every token exactly)
     min_ps: torch.Tensor | None  # [B] float32, 0 where disabled
@@ -95,14 +97,16 @@ class SamplingBatch:
         logprob_idx = [i for i, p in enumerate(params) if p.logprobs is not None]
         if logprob_idx and vocab_size > _MAX_PACKED_VOCAB:
             raise ValueError(f"logprobs need vocab_size <= {_MAX_PACKED_VOCAB}, got {vocab_size}")
+        sampled = not all(greedy)
         return cls(
             vocab_size=vocab_size,
-            greedy=tensor(greedy, torch.bool),
-            all_greedy=all(greedy),
-            temperatures=tensor([1.0 if g else float(p.temperature) for p, g in zip(params, greedy)], torch.float32),
-            seed_lo=tensor([s & _M32 for s in seeds], torch.int64),
-            seed_hi=tensor([s >> 32 for s in seeds], torch.int64),
-            positions=tensor([len(r.prompt_ids) + len(r.output_ids) for r in reqs], torch.int64),
+            all_greedy=not sampled,
+            greedy=tensor(greedy, torch.bool) if sampled else None,
+            temperatures=tensor([1.0 if g else float(p.temperature) for p, g in zip(params, greedy)],
+                                torch.float32) if sampled else None,
+            seed_lo=tensor([s & _M32 for s in seeds], torch.int64) if sampled else None,
+            seed_hi=tensor([s >> 32 for s in seeds], torch.int64) if sampled else None,
+            positions=tensor([len(r.prompt_ids) + len(r.output_ids) for r in reqs], torch.int64) if sampled else None,
             top_ks=tensor(top_ks, torch.int64) if any(k < vocab_size for k in top_ks) else None,
             top_ps=tensor(top_ps, torch.float32) if any(p != float("inf") for p in top_ps) else None,
             min_ps=tensor(min_ps, torch.float32) if any(p > 0 for p in min_ps) else None,
