@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.attention.triton.common import attend_block
+
 
 @triton.jit
 def _extend_kernel(
@@ -50,27 +52,12 @@ def _extend_kernel(
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
-            slots = tl.load(req_to_token + row * stride_row + offs_n, mask=n_mask, other=0)
-            k = tl.load(K + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-            v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
             visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
             if USE_WINDOW:
                 visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # Rows that have seen no visible key yet keep m = -inf; shift by 0 so exp() stays finite.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = attend_block(q, K, V, req_to_token, row, stride_row, kv_head, stride_kt, stride_kh,
+                                         stride_vt, stride_vh, offs_n, n_mask, visible, offs_d, d_mask, m_i, l_i,
+                                         acc, sm_scale, UPCAST, PRECISION)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])

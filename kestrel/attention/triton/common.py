@@ -1,0 +1,30 @@
+"""The inner step shared by the extend and decode kernels: one block of a request's keys."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_block(q, K, V, req_to_token, row, stride_row, kv_head, stride_kt, stride_kh, stride_vt, stride_vh,
+                 offs_n, n_mask, visible, offs_d, d_mask, m_i, l_i, acc, sm_scale,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Load the K/V of key positions `offs_n` through the request's req_to_token `row` and fold them into
+    the running (max m_i, sum l_i, weighted values acc) of an online softmax; `visible` masks scores."""
+    slots = tl.load(req_to_token + row * stride_row + offs_n, mask=n_mask, other=0)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(K + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:  # the interpreter computes bf16 wrong: work in float32 there
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Rows that have seen no visible key yet keep m = -inf; shift by 0 so exp() stays finite.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
