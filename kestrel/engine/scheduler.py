@@ -43,7 +43,10 @@ class Scheduler:
         self.running: list[Request] = []  # decoding, in admission order
         self.chunked: Request | None = None  # prefill in progress across steps
         self.num_retractions = 0
-        self._pending: list[tuple[Request, torch.Tensor]] = []  # this step's allocations (host slots)
+        # This step's allocations, in batch order: the requests, their new-token counts, host slot tensors.
+        self._pending_reqs: list[Request] = []
+        self._pending_counts: list[int] = []
+        self._pending_slots: list[torch.Tensor] = []
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -78,7 +81,7 @@ class Scheduler:
 
     # ---- batch selection --------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        self._pending = []
+        self._pending_reqs, self._pending_counts, self._pending_slots = [], [], []
         prefill = self._schedule_prefill()
         if prefill and not (self.config.enable_mixed_chunk and self.running):
             return self._batch(ForwardMode.EXTEND, prefill, len(prefill))
@@ -89,13 +92,15 @@ class Scheduler:
 
     def _batch(self, mode: ForwardMode, reqs: list[Request], num_prefill: int) -> ScheduledBatch:
         """Send the step's new slots to the device and into the requests' req_to_token rows, in one copy."""
-        assert [r for r, _ in self._pending] == reqs, "allocations must follow the batch order"
-        slots = torch.cat([s for _, s in self._pending])
-        rows = torch.cat([torch.full((len(s),), r.req_pool_idx, dtype=torch.int64) for r, s in self._pending])
-        cols = torch.cat([torch.arange(r.kv_len, r.kv_len + len(s)) for r, s in self._pending])
-        on_device = torch.stack([slots, rows, cols]).to(self.req_to_token.table.device, non_blocking=True)
+        assert self._pending_reqs == reqs, "allocations must follow the batch order"
+        rows, cols = [], []
+        for req, n in zip(reqs, self._pending_counts):
+            rows += [req.req_pool_idx] * n
+            cols += range(req.kv_len, req.kv_len + n)
+        slots = torch.cat(self._pending_slots)
+        host = torch.stack([slots, torch.tensor(rows, dtype=torch.int64), torch.tensor(cols, dtype=torch.int64)])
+        on_device = host.to(self.req_to_token.table.device, non_blocking=True)
         self.req_to_token.table[on_device[1], on_device[2]] = on_device[0]
-        self._pending = []
         return ScheduledBatch(mode, reqs, num_prefill, on_device[0])
 
     def _free_tokens(self) -> int:
@@ -158,25 +163,32 @@ class Scheduler:
             self._retract(self.chunked if chunked_ok else self.running[-1])
         if self.running:
             self._make_room(needed())
-            slots = self.allocator.alloc_many([r.kv_len for r in self.running], [1] * len(self.running),
+            ones = [1] * len(self.running)
+            slots = self.allocator.alloc_many([r.kv_len for r in self.running], ones,
                                               [r.last_slot for r in self.running])
-            for req, slot in zip(self.running, slots.split(1)):
-                self._record(req, slot)
+            self._record(self.running, ones, slots)
         return list(self.running)
 
     def _allocate(self, req: Request, n: int) -> None:
         """Give req KV slots for fill positions [kv_len, kv_len + n), evicting cached prefixes if needed."""
         self._make_room(self.allocator.tokens_needed(req.kv_len, n))
-        self._record(req, self.allocator.alloc_for(req.kv_len, n, req.last_slot))
+        self._record([req], [n], self.allocator.alloc_for(req.kv_len, n, req.last_slot))
 
     def _make_room(self, tokens: int) -> None:
         if tokens > self.allocator.available_size():
             self.radix.evict(tokens - self.allocator.available_size())
 
-    def _record(self, req: Request, slots: torch.Tensor) -> None:
-        req.extend_len = len(slots)
-        req.last_slot = int(slots[-1])  # a host tensor: no device sync
-        self._pending.append((req, slots))
+    def _record(self, reqs: list[Request], counts: list[int], slots: torch.Tensor) -> None:
+        """Note host `slots` (the requests' new tokens, concatenated) for this step's batch."""
+        values = slots.tolist()  # a host tensor: no device sync
+        end = 0
+        for req, n in zip(reqs, counts):
+            end += n
+            req.extend_len = n
+            req.last_slot = values[end - 1]
+        self._pending_reqs += reqs
+        self._pending_counts += counts
+        self._pending_slots.append(slots)
 
     def _retract(self, req: Request) -> None:
         """Put a request back in the waiting queue; its KV goes to the radix cache (evictable)."""
