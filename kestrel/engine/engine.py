@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 import logging
 import random
 from typing import Any, Iterable
@@ -71,8 +72,11 @@ class Engine:
         ids = list(prompt_token_ids)
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+        # numpy / torch integer scalars are fine too; they become plain ints.
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < self.vocab_size
+                   for t in ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
+        ids = [int(t) for t in ids]
         limit = self.runner.max_req_len
         if len(ids) >= limit:
             raise ValueError(f"the prompt has {len(ids)} tokens; it must be shorter than the context "
@@ -166,7 +170,7 @@ class Engine:
         if prompts is not None:
             items: list[dict[str, Any]] = [{"prompt": p} for p in ([prompts] if isinstance(prompts, str) else prompts)]
         else:
-            single = prompt_token_ids and isinstance(prompt_token_ids[0], int)
+            single = prompt_token_ids and isinstance(prompt_token_ids[0], numbers.Integral)
             items = [{"prompt_token_ids": p} for p in ([prompt_token_ids] if single else prompt_token_ids)]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
         if len(params) != len(items):

@@ -135,6 +135,14 @@ def test_prompt_too_long_and_bad_token_ids_raise(tiny_model):
             engine.generate(prompt_token_ids=[[1, 10**6]], sampling_params=GREEDY)
         with pytest.raises(ValueError, match="empty"):
             engine.generate(prompt_token_ids=[[]], sampling_params=GREEDY)
+        with pytest.raises(ValueError, match="prompt_token_ids"):
+            engine.generate(prompt_token_ids=[[1, True]], sampling_params=GREEDY)
+        # numpy and torch integers are accepted as token ids.
+        import numpy as np
+        import torch
+        same = engine.generate(prompt_token_ids=[list(np.array([5, 6, 7])), torch.tensor([5, 6, 7]).tolist()],
+                               sampling_params=GREEDY)
+        assert same[0].token_ids == same[1].token_ids
         # Running into the context length ends the request with "length".
         out = engine.generate(prompt_token_ids=[[1] * 60],
                               sampling_params=SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))[0]
