@@ -5,14 +5,13 @@ import argparse
 import dataclasses
 import logging
 import sys
-import types
 import typing
 
 from kestrel.config import SECTIONS, EngineConfig
 
 # Flags whose help is worth more than the field name.
 HELP = {
-    "model": "Hugging Face model folder",
+    "model": "Hugging Face model folder, or a bundled model: demo (default), demo-draft",
     "device": "auto, cpu or cuda",
     "dtype": "auto, float32, float16 or bfloat16",
     "max_total_tokens": "KV pool size in tokens (default: from GPU memory; 32768 on CPU)",
@@ -22,12 +21,13 @@ HELP = {
 
 
 def _field_type(field: dataclasses.Field) -> type:
-    hint = typing.get_type_hints(field_owner[field.name])[field.name]
+    """The argparse type of a field: `int | None` -> int, `str` -> str."""
+    hint = typing.get_type_hints(FIELD_OWNER[field.name])[field.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args and isinstance(hint, types.UnionType | typing._UnionGenericAlias) else hint
+    return args[0] if args else hint
 
 
-field_owner = {f.name: klass for klass in SECTIONS.values() for f in dataclasses.fields(klass)}
+FIELD_OWNER = {f.name: klass for klass in SECTIONS.values() for f in dataclasses.fields(klass)}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
