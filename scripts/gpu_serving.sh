@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Serving benchmark on the GPU machine: dummy Llama-3.1-8B behind `kestrel serve`, 64 concurrent streams
 # with ShareGPT-like lengths (input 200-1000, output 100-500), and one-batch at bs=64 for comparison.
-# Needs the server's wheels carried in .whl (see /work/.library/device/README.md).
+# Needs the server's wheels carried in .whl: run scripts/fetch_server_wheels.sh first, then carry ".whl".
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/out}

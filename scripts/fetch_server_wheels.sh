@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Download the server's pure-Python dependencies that the H200 image lacks into .whl/ (git-ignored via
+# .git/info/exclude), for `run` calls that carry ".whl" (scripts/gpu_serving.sh installs them there).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+grep -qx "/.whl/" .git/info/exclude || echo "/.whl/" >> .git/info/exclude
+for pkg in fastapi starlette pydantic pydantic_core annotated-types annotated-doc typing-inspection uvicorn \
+           opentelemetry-api; do
+  version=$(python3 -m pip show "$pkg" 2>/dev/null | sed -n 's/^Version: //p')
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl "$pkg${version:+==$version}"
+done
+ls .whl
