@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from kestrel.attention.triton.decode import decode_attention
+from kestrel.attention.triton.extend import extend_attention
+from kestrel.attention.triton.store import store_kv
 from kestrel.cache.kv_pool import KVPool
 from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.core.forward_batch import ForwardBatch
@@ -35,10 +38,6 @@ class TritonBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                 batch: ForwardBatch) -> torch.Tensor:
-        from kestrel.attention.triton.decode import decode_attention
-        from kestrel.attention.triton.extend import extend_attention
-        from kestrel.attention.triton.store import store_kv
-
         k_buf = self.kv_pool.k_buffers[layer.layer_id]
         v_buf = self.kv_pool.v_buffers[layer.layer_id]
         store_kv(k, v, k_buf, v_buf, batch.out_cache_loc)

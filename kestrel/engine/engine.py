@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import itertools
-import numbers
 import logging
+import numbers
 import random
 from typing import Any, Iterable
 

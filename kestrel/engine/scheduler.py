@@ -153,10 +153,8 @@ class Scheduler:
     def _schedule_decode(self, protected: list[Request]) -> list[Request]:
         """Every running request gets one slot; retract the newest while the pool cannot hold them.
         Requests already given slots in this step (`protected`) are never retracted."""
-        page = self.allocator.page_size
-
         def needed() -> int:
-            return sum(page for r in self.running if r.kv_len % page == 0)
+            return sum(self.allocator.tokens_needed(r.kv_len, 1) for r in self.running)
 
         while self.running and needed() > self._free_tokens():
             chunked_ok = self.chunked is not None and all(self.chunked is not p for p in protected)

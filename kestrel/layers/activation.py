@@ -12,12 +12,14 @@ class SiluAndMul(nn.Module):
 
     def __init__(self, use_triton: bool = False) -> None:
         super().__init__()
-        self.use_triton = use_triton
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_triton and x.dim() == 2:
+        self.triton_kernel = None
+        if use_triton:  # imported only here: triton is optional
             from kestrel.layers.fused_triton import silu_and_mul
 
-            return silu_and_mul(x)
+            self.triton_kernel = silu_and_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton_kernel is not None and x.dim() == 2:
+            return self.triton_kernel(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -17,13 +17,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.use_triton = use_triton
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.use_triton and x.dim() == 2:
+        self.triton_kernel = None
+        if use_triton:  # imported only here: triton is optional
             from kestrel.layers.fused_triton import add_rmsnorm
 
-            out = add_rmsnorm(x, residual, self.weight, self.eps)  # updates residual in place
+            self.triton_kernel = add_rmsnorm
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.triton_kernel is not None and x.dim() == 2:
+            out = self.triton_kernel(x, residual, self.weight, self.eps)  # updates residual in place
             return out if residual is None else (out, residual)
         if residual is not None:
             x = residual = x + residual

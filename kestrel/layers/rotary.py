@@ -47,17 +47,19 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, use_triton: bool = False) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.use_triton = use_triton  # decided by attention.decisions.shared_triton_kernel
+        self.triton_kernel = None
+        if use_triton:  # decided by attention.decisions.shared_triton_kernel; triton is optional
+            from kestrel.layers.rope_triton import rope_triton
+
+            self.triton_kernel = rope_triton
         inv_freq = inv_frequencies(head_dim, rope)
         # Built on the default device: the loader constructs models under the target device.
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if self.use_triton:
-            from kestrel.layers.rope_triton import rope_triton
-
-            return rope_triton(x, positions, self.cos_sin_cache, self.head_dim)
+        if self.triton_kernel is not None:
+            return self.triton_kernel(x, positions, self.cos_sin_cache, self.head_dim)
         cos, sin = self.cos_sin_cache[positions].to(x.dtype).chunk(2, dim=-1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D/2], broadcast over heads
         x1, x2 = x.view(x.shape[0], -1, self.head_dim).chunk(2, dim=-1)

@@ -43,6 +43,8 @@ class CudaGraphRunner:
 
     def _batch(self, bs: int) -> ForwardBatch:
         zeros = torch.zeros(bs, dtype=torch.int64, device=self.input_ids.device)
+        # Decode kernels read seq_lens (a static buffer, refreshed each replay); prefix/extend lens are
+        # built once here and are not refreshed, so a decode backend must not read them.
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
             out_cache_loc=self.out_cache_loc[:bs], req_pool_indices=self.req_pool_indices[:bs],
