@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from statistics import median
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +47,6 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float | None:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def percentile(values: list[float], q: float) -> float:

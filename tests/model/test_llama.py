@@ -1,7 +1,6 @@
 """Llama-family models against transformers as the oracle, through the torch_native backend."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
