@@ -64,6 +64,45 @@ def now(device: torch.device) -> float:
     return time.perf_counter()
 
 
+class StepRecorder:
+    """Records every engine step (mode, requests, new tokens, wall time) to show where a run's time went.
+
+    Wraps `engine.scheduler.schedule` and `engine.step`; a step's wall time includes its host work.
+    """
+
+    def __init__(self, engine) -> None:
+        self.steps: list[tuple[str, int, int, float]] = []
+        self._last = None
+        schedule, step = engine.scheduler.schedule, engine.step
+
+        def recording_schedule():
+            self._last = schedule()
+            return self._last
+
+        def recording_step():
+            self._last = None
+            start = time.perf_counter()
+            out = step()
+            if self._last is not None:
+                batch = self._last
+                self.steps.append((batch.mode.name, len(batch.reqs), batch.out_cache_loc.numel(),
+                                   time.perf_counter() - start))
+            return out
+
+        engine.scheduler.schedule, engine.step = recording_schedule, recording_step
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per forward mode: steps, seconds, new tokens, mean requests per step, median step time."""
+        out: dict[str, dict[str, float]] = {}
+        for mode in sorted({s[0] for s in self.steps}):
+            rows = [s for s in self.steps if s[0] == mode]
+            seconds = sum(s[3] for s in rows)
+            out[mode] = {"steps": len(rows), "seconds": seconds, "tokens": sum(s[2] for s in rows),
+                         "mean_requests": sum(s[1] for s in rows) / len(rows),
+                         "median_step_ms": 1e3 * median(s[3] for s in rows)}
+        return out
+
+
 def report(title: str, rows: list[tuple[str, Any]], result: dict[str, Any], json_path: str | None) -> None:
     """Print a two-column table, then write the result as JSON if asked."""
     print(f"\n== {title} ==")

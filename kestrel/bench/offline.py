@@ -13,7 +13,7 @@ import random
 
 import torch
 
-from kestrel.bench.common import now, random_lengths, random_prompts, report
+from kestrel.bench.common import StepRecorder, now, random_lengths, random_prompts, report
 from kestrel.cli import add_engine_flags, config_from_args
 from kestrel.core.sampling_params import SamplingParams
 
@@ -84,14 +84,19 @@ def main(argv: list[str] | None = None) -> None:
                                  args.random_range_ratio, engine.vocab_size, args.seed)
     warm_prompts, warm_lens = workload(min(8, args.num_prompts), 64, 8, 1.0, engine.vocab_size, args.seed + 1)
     run_kestrel(engine, warm_prompts, warm_lens)
+    recorder = StepRecorder(engine)
     result = {"workload": vars(args) | {"model": engine.config.model.model},
               "kestrel": run_kestrel(engine, prompts, out_lens)}
+    result["kestrel"]["steps"] = recorder.summary()
     rows = [("prompts", args.num_prompts),
             ("input / output tokens", f"{result['kestrel']['input_tokens']} / {result['kestrel']['output_tokens']}"),
             ("elapsed (s)", result["kestrel"]["elapsed_s"]),
             ("kestrel output tok/s", result["kestrel"]["output_tok_per_s"]),
             ("kestrel total tok/s", result["kestrel"]["total_tok_per_s"]),
             ("retractions", result["kestrel"]["retractions"])]
+    for mode, s in result["kestrel"]["steps"].items():
+        rows.append((f"{mode} steps", f"{s['steps']} steps, {s['seconds']:.2f} s, {s['tokens']} tokens, "
+                                      f"{s['mean_requests']:.1f} requests/step, median {s['median_step_ms']:.2f} ms"))
     if args.transformers_batch_size:
         device, dtype = engine.runner.device, engine.runner.dtype
         model_path = engine.config.model.model

@@ -30,6 +30,9 @@ def test_one_batch_and_offline_benchmarks(tiny_model, tmp_path, capsys):
                  "--json", str(tmp_path / "offline.json")]) == 0
     offline = json.loads((tmp_path / "offline.json").read_text())
     assert offline["kestrel"]["output_tokens"] > 0 and offline["transformers"]["output_tokens"] > 0
+    steps = offline["kestrel"]["steps"]  # the per-mode breakdown accounts for every token
+    assert sum(s["tokens"] for s in steps.values()) == offline["kestrel"]["input_tokens"] + \
+        offline["kestrel"]["output_tokens"] - 5  # the last token of each of the 5 prompts is never fed back
     assert "kestrel / transformers" in capsys.readouterr().out
 
 
