@@ -38,6 +38,9 @@ class SchedulerConfig:
     chunked_prefill_size: int | None = None  # new prefill tokens per step; -1 disables chunking
     enable_mixed_chunk: bool = False  # run prefill chunks and decodes in one MIXED batch
     random_seed: int | None = None  # seeds the draw of per-request seeds for requests without one
+    # Overlap scheduling: schedule and launch step N+1 while step N runs on the device, so host work
+    # hides behind the GPU. Outputs are the same either way; turn it off to debug.
+    disable_overlap_schedule: bool = False
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def main() -> None:
             engine.add_request(prompt_token_ids=[rng.randrange(3, 500) for _ in range(64)], sampling_params=params)
         while any(not r.output_ids for r in engine._reqs.values()):
             engine.step()
-        parts: dict[str, list[float]] = {"schedule": [], "build_batch": [], "sampler": [], "process": []}
+        parts: dict[str, list[float]] = {"schedule": [], "build_batch": [], "sampler": [], "commit+resolve": []}
         for _ in range(args.steps):
             t0 = time.perf_counter()
             batch = engine.scheduler.schedule()
@@ -44,7 +44,9 @@ def main() -> None:
             sampling = SamplingBatch.from_requests(batch.reqs, engine.vocab_size, engine.eos_token_ids, "cpu")
             out = engine.sampler(torch.zeros(len(batch.reqs), engine.vocab_size), sampling)
             t3 = time.perf_counter()
-            engine.scheduler.process(batch, batch.reqs, out.token_ids)
+            futures = list(range(len(batch.reqs)))
+            engine.scheduler.commit(batch, batch.reqs, futures)
+            engine.scheduler.resolve(batch.reqs, futures, out.token_ids)
             t4 = time.perf_counter()
             for key, value in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                 parts[key].append(value)

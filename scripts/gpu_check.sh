@@ -19,6 +19,15 @@ for stage in $stages; do
           --batch-size $bs --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 64 \
           --json "$OUT/one_batch_bs$bs.json" 2>&1 | grep -v "^\s*$" | tail -11
       done ;;
+    bench_sync)  # the same decode without overlap scheduling, to see what the overlap hides
+      timeout 200 python3 -m kestrel.bench.one_batch --model kestrel/assets/configs/llama-3.1-8b --load-format dummy \
+        --batch-size 1 --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 64 \
+        --disable-overlap-schedule --json "$OUT/one_batch_bs1_sync.json" 2>&1 | grep -v "^\s*$" | tail -11 ;;
+    profile)
+      for bs in 1 64; do
+        timeout 150 python3 scripts/profile_decode.py --batch-size $bs --steps 5 2>&1 | grep -v "^-" | head -26 \
+          | cut -c1-150 | tee -a "$OUT/profile.log"
+      done ;;
     offline512)
       timeout 300 python3 -m kestrel.bench.offline --model kestrel/assets/configs/llama-3.1-8b --load-format dummy \
         --num-prompts 1000 --random-input-len 512 --random-output-len 256 --random-range-ratio 1 \

@@ -51,7 +51,7 @@ def run(engine, batch_size: int, input_len: int, output_len: int, seed: int = 0)
         engine.step()
     prefill = now(device) - start
     steps = []
-    while engine.scheduler.has_work():
+    while engine.has_work():
         t0 = now(device)
         engine.step()
         steps.append(now(device) - t0)

@@ -116,7 +116,9 @@ class TokenToKVPoolAllocator:
         """Free the pages containing `slots`; the caller must own those pages wholly."""
         if slots.numel() == 0:
             return
-        pages = torch.unique(slots.to("cpu", torch.int64) // self.page_size)
+        if slots.device.type != "cpu":
+            raise ValueError("free() takes host slot tensors (reading device slots would sync the device)")
+        pages = torch.unique(slots.to(torch.int64) // self.page_size)
         if pages[0] <= 0 or pages[-1] > self.num_pages:  # unique() sorts
             raise RuntimeError(f"free() got slots outside usable pages 1..{self.num_pages} "
                                f"(page 0 is the reserved padding page)")

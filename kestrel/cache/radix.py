@@ -44,9 +44,9 @@ class RadixCache:
         self.allocator = allocator
         self.page_size = page_size
         self.disabled = disabled
-        self.device = allocator.device
         self._clock = itertools.count(1)  # logical time: deterministic LRU order
-        self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        # Slots live on the host, like the allocator's: matching and freeing never wait for the device.
+        self._empty = torch.empty(0, dtype=torch.int64)
         self.root = Node(None, [], self._empty, 0)
         self.root.lock_ref = 1
         self._evictable = 0

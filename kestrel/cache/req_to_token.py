@@ -25,5 +25,9 @@ class ReqToTokenPool:
             raise RuntimeError("no free request slot; the scheduler must cap running requests")
         return self._free.pop()
 
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Set row[start:start + len(slots)] from host slots without waiting for the device."""
+        self.table[row, start:start + len(slots)].copy_(slots, non_blocking=True)
+
     def free(self, idx: int) -> None:
         self._free.append(idx)

@@ -19,9 +19,13 @@ class Request:
     """One generation request.
 
     KV invariant while the request holds a `req_pool_idx`: slots of tokens `fill_ids[:kv_len]` are in
-    `req_to_token[req_pool_idx, :kv_len]`; the first `cached_len` of them belong to the radix tree
-    (locked through `last_node`), the rest to the request. A retracted request loses both and keeps
-    its `output_ids`; it resumes by prefilling `fill_ids` again.
+    `req_to_token[req_pool_idx, :kv_len]` and, on the host, in `slots`; the first `cached_len` of them
+    belong to the radix tree (locked through `last_node`), the rest to the request. A retracted
+    request loses both and keeps its `output_ids`; it resumes by prefilling `fill_ids` again.
+
+    Overlap scheduling launches the next step before this step's sampled tokens reach the host: such
+    tokens are `pending` (indices into the device-side FutureTokens buffer, oldest first) until the
+    engine resolves them into `output_ids`. They count in `seq_len`; `fill_ids` holds resolved tokens.
     """
 
     rid: str
@@ -36,7 +40,8 @@ class Request:
     cached_len: int = 0
     last_node: Any = None
     extend_len: int = 0  # new tokens in the step being run
-    last_slot: int = 0  # host copy of the slot of position kv_len + extend_len - 1 (continues its page)
+    slots: list[int] = field(default_factory=list)  # host copy of this request's req_to_token row
+    pending: list[int] = field(default_factory=list)  # FutureTokens indices of sampled, unresolved tokens
     cached_tokens: int = 0  # prompt tokens reused from the radix cache at first admission
     admitted: bool = False
     finish_reason: str | None = None
@@ -50,15 +55,27 @@ class Request:
 
     @property
     def seq_len(self) -> int:
-        """len(fill_ids), without building the list (the decode loop asks every step)."""
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Tokens of the sequence so far, pending ones included (the decode loop asks every step)."""
+        return len(self.prompt_ids) + len(self.output_ids) + len(self.pending)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) + len(self.pending)
+
+    @property
+    def last_slot(self) -> int:
+        """Slot of the last position with KV (continues its page); 0 before any."""
+        return self.slots[-1] if self.slots else 0
 
     def tokens(self, start: int, end: int) -> list[int]:
-        """fill_ids[start:end] without concatenating prompt and output."""
-        n = len(self.prompt_ids)
-        if start >= n:
-            return self.output_ids[start - n:end - n]
-        return self.prompt_ids[start:end] + self.output_ids[:max(0, end - n)]
+        """Sequence tokens [start, end) without concatenating; a pending token is -1 - its future index."""
+        n, m = len(self.prompt_ids), len(self.prompt_ids) + len(self.output_ids)
+        out = self.prompt_ids[start:end] if start < n else []
+        if end > n:
+            out = out + self.output_ids[max(0, start - n):end - n]
+        if end > m:
+            out += [-1 - f for f in self.pending[max(0, start - m):end - m]]
+        return out
 
     @property
     def finished(self) -> bool:

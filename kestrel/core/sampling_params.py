@@ -33,6 +33,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.stop_strs = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the field and its allowed range."""
         def bad(name: str, allowed: str) -> None:

@@ -5,6 +5,7 @@ import itertools
 import logging
 import numbers
 import random
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from kestrel.cache.radix import RadixCache
@@ -13,12 +14,21 @@ from kestrel.core.outputs import RequestOutput
 from kestrel.core.request import Request
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.engine.detokenizer import OutputText
-from kestrel.engine.sampler import Sampler, SamplingBatch
+from kestrel.engine.sampler import PendingSample, Sampler, SamplingBatch
 from kestrel.engine.scheduler import Scheduler
 from kestrel.engine.tokenizer import eos_token_ids, load_tokenizer
 from kestrel.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Launched:
+    """A batch on the device: its sampled requests, their FutureTokens indices, the sample's host copy."""
+
+    reqs: list[Request]
+    futures: list[int]
+    sample: PendingSample
 
 
 class Engine:
@@ -56,6 +66,7 @@ class Engine:
         self._texts: dict[str, OutputText] = {}
         self._reqs: dict[str, Request] = {}
         self._streamed: dict[str, int] = {}  # rid -> output tokens already returned by step_deltas()
+        self._inflight: _Launched | None = None  # launched batch whose sampled tokens are not applied yet
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
@@ -104,26 +115,62 @@ class Engine:
         return self.scheduler.abort(rid) is not None
 
     # ---- the loop ------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self._inflight is not None
+
     def step(self) -> list[Request]:
-        """Run one batch; returns the requests that got a token or finished in this step."""
+        """Run one batch; returns the requests that got a token or finished in this step.
+
+        With overlap scheduling (the default) the step launches batch N+1 and then resolves batch N,
+        whose host work (stop checks, detokenizing, scheduling the next batch) overlaps batch N+1 on
+        the device; a request's token is returned one step after its forward is launched.
+        """
+        done: list[Request] = []
+        if self._inflight is not None and not self._can_overlap():
+            done += self._resolve()
         batch = self.scheduler.schedule()
-        if batch is None:
-            return []
+        launched = self._launch(batch) if batch is not None else None
+        if self._inflight is not None:
+            done += self._resolve()
+        self._inflight = launched
+        if launched is not None and self.config.scheduler.disable_overlap_schedule:
+            done += self._resolve()
+        return done
+
+    def _can_overlap(self) -> bool:
+        # Penalties are computed from the output tokens, so those must be on the host first.
+        return not self.config.scheduler.disable_overlap_schedule and \
+            not any(r.params.has_penalties for r in self.scheduler.running)
+
+    def _launch(self, batch) -> "_Launched | None":
+        """Forward and sample on the device, then commit the batch; nothing here waits for the device."""
         logits = self.runner.forward(batch)
         rows = self.scheduler.sampling_rows(batch)
         sampled = [batch.reqs[i] for i in rows]
         if not sampled:
-            self.scheduler.process(batch, [], [])
-            return []
+            self.scheduler.commit(batch, [], [])
+            return None
         sampling = SamplingBatch.from_requests(sampled, self.vocab_size, self.eos_token_ids, self.runner.device)
-        out = self.sampler(logits if len(rows) == len(batch.reqs) else logits[rows], sampling)
-        self.scheduler.process(batch, sampled, out.token_ids)
-        for req, logprob, top in zip(sampled, out.logprobs, out.top_logprobs):
+        pending = self.sampler.sample(logits if len(rows) == len(batch.reqs) else logits[rows], sampling)
+        futures = self.runner.future_tokens.put(pending.token_ids)
+        self.scheduler.commit(batch, sampled, futures)
+        return _Launched(sampled, futures, pending)
+
+    def _resolve(self) -> list[Request]:
+        """Wait for the in-flight batch's tokens and apply them."""
+        launched, self._inflight = self._inflight, None
+        out = launched.sample.result()
+        got = set(map(id, self.scheduler.resolve(launched.reqs, launched.futures, out.token_ids)))
+        done = []
+        for req, logprob, top in zip(launched.reqs, out.logprobs, out.top_logprobs):
+            if id(req) not in got:
+                continue
+            done.append(req)
             if logprob is not None:
                 req.output_logprobs.append(logprob)
                 req.output_top_logprobs.append(top)
             self._check_stop_strings(req)
-        return sampled
+        return done
 
     def step_deltas(self, touched: Iterable[str] = ()) -> list[tuple[Request, int]]:
         """One step (when there is work) for a caller that streams, such as the server's engine process.
@@ -133,7 +180,7 @@ class Engine:
         aborted since the previous call, so that those finished without running (aborted, or
         max_new_tokens=0) are reported too. A finished request is reported once, then forgotten.
         """
-        reqs = self.step() if self.scheduler.has_work() else []
+        reqs = self.step() if self.has_work() else []
         stepped = set(map(id, reqs))
         for rid in touched:
             req = self._reqs.get(rid)
@@ -214,6 +261,7 @@ class Engine:
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def shutdown(self) -> None:
+        self._inflight = None
         for rid in list(self._reqs):
             self.abort(rid)
         self._reqs.clear()

@@ -3,7 +3,10 @@
 Randomness is a pure function of (request seed, token position, token id): a counter-based hash
 computed with int64 tensor ops on the logits' device. No generator state exists, so batch
 composition, row order, retraction and chunking cannot change what a request samples.
-Everything stays on the device until the single `.tolist()` at the end of `Sampler.__call__`.
+Everything stays on the device: `Sampler.sample()` returns a `PendingSample` whose one device-to-host
+copy is already under way, and its `result()` waits for that copy alone. Building a SamplingBatch
+copies host lists to the device without waiting either, so the engine can prepare the next step
+while this one runs.
 """
 from __future__ import annotations
 
@@ -86,7 +89,8 @@ class SamplingBatch:
         greedy = [p.temperature == 0 for p in params]
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            # A plain torch.tensor(..., device=cuda) waits for the device; a non-blocking copy does not.
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
         # Filters only matter on sampled rows; a batch where no sampled row uses one skips it.
         top_ks = [vocab_size if g or p.top_k == -1 else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
@@ -106,7 +110,7 @@ class SamplingBatch:
                                 torch.float32) if sampled else None,
             seed_lo=tensor([s & _M32 for s in seeds], torch.int64) if sampled else None,
             seed_hi=tensor([s >> 32 for s in seeds], torch.int64) if sampled else None,
-            positions=tensor([len(r.prompt_ids) + len(r.output_ids) for r in reqs], torch.int64) if sampled else None,
+            positions=tensor([r.seq_len for r in reqs], torch.int64) if sampled else None,
             top_ks=tensor(top_ks, torch.int64) if any(k < vocab_size for k in top_ks) else None,
             top_ps=tensor(top_ps, torch.float32) if any(p != float("inf") for p in top_ps) else None,
             min_ps=tensor(min_ps, torch.float32) if any(p > 0 for p in min_ps) else None,
@@ -124,6 +128,7 @@ def _build_penalties(reqs: list[Request], tensor: _ToTensor) -> Penalties | None
         return None
     rep_rows, rep_ids, out_rows, out_ids = [], [], [], []
     for i, (r, p) in enumerate(zip(reqs, params)):
+        assert not r.pending, "penalties read the output tokens: the engine resolves them first"
         if p.repetition_penalty != 1:
             ids = r.prompt_ids + r.output_ids
             rep_rows += [i] * len(ids)
@@ -146,7 +151,7 @@ def _build_blocked(reqs: list[Request], vocab_size: int, eos_token_ids: set[int]
     rows, ids = [], []
     for i, r in enumerate(reqs):
         p = r.params
-        if len(r.output_ids) >= p.min_new_tokens:
+        if r.num_generated >= p.min_new_tokens:
             continue
         stops = set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(eos_token_ids))
         stops = sorted(t for t in stops if 0 <= t < vocab_size)
@@ -200,15 +205,52 @@ def uniform_noise(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]  # one host sync per step: the only .tolist()
+    token_ids: list[int]
     logprobs: list[float | None]  # chosen token's logprob; None where params.logprobs is None
     top_logprobs: list[list[tuple[int, float]] | None]  # top-n (token id, logprob), descending
 
 
+class PendingSample:
+    """Sampled ids on the device, with their copy to the host (logprobs packed alongside) under way."""
+
+    def __init__(self, token_ids: torch.Tensor, payload: torch.Tensor, logprob_asks: list[tuple[int, int]]) -> None:
+        self.token_ids = token_ids  # [B] int64, on the logits' device
+        self._asks = logprob_asks
+        self._bs = token_ids.shape[0]
+        # Non-blocking to the host lands in pinned memory; the event marks when it is there.
+        self._host = payload.to("cpu", non_blocking=True)
+        self._event = None
+        if payload.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> SamplerOutput:
+        """Wait for this sample's copy (not for work queued after it) and unpack it."""
+        if self._event is not None:
+            self._event.synchronize()
+        bs = self._bs
+        logprobs: list[float | None] = [None] * bs
+        top_logprobs: list[list[tuple[int, float]] | None] = [None] * bs
+        if not self._asks:
+            return SamplerOutput(self._host.tolist(), logprobs, top_logprobs)
+        host = self._host.tolist()
+        ids = [int(t) for t in host[:bs]]
+        n = max(top_n for _, top_n in self._asks)
+        width = 1 + 2 * n
+        for j, (row, top_n) in enumerate(self._asks):
+            rec = host[bs + j * width: bs + (j + 1) * width]
+            logprobs[row] = rec[0]
+            top_logprobs[row] = [(int(t), v) for t, v in zip(rec[1:1 + n], rec[1 + n:])][:top_n]
+        return SamplerOutput(ids, logprobs, top_logprobs)
+
+
 class Sampler:
-    """Stateless: the same logits and SamplingBatch always give the same SamplerOutput."""
+    """Stateless: the same logits and SamplingBatch always give the same tokens."""
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        return self.sample(logits, batch).result()
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> PendingSample:
         """Sample one token per row of `logits` [B, V] (any float dtype; computed in float32).
 
         Logprobs are log_softmax of the logits after penalties and min_new_tokens blocking, but
@@ -218,12 +260,12 @@ class Sampler:
         if batch.penalties is not None:
             logits = batch.penalties.apply(logits)
         if batch.blocked is not None:
-            logits = logits.index_put(batch.blocked, torch.tensor(float("-inf"), device=logits.device))
+            logits = logits.index_put(batch.blocked, logits.new_full((), float("-inf")))
         greedy_ids = logits.argmax(dim=-1)
         token_ids = greedy_ids
         if not batch.all_greedy:
             token_ids = torch.where(batch.greedy, greedy_ids, self._sample(logits, batch))
-        return self._to_host(logits, token_ids, batch)
+        return PendingSample(token_ids, self._payload(logits, token_ids, batch), batch.logprob_asks)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         probs = torch.softmax(logits / batch.temperatures[:, None], dim=-1)
@@ -262,26 +304,15 @@ class Sampler:
         return keep
 
     @staticmethod
-    def _to_host(logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """One device->host transfer: token ids, plus logprobs packed into the same float32 tensor."""
-        bs = token_ids.shape[0]
-        logprobs: list[float | None] = [None] * bs
-        top_logprobs: list[list[tuple[int, float]] | None] = [None] * bs
+    def _payload(logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """What goes to the host: the token ids, then (as float32) each logprob row's chosen logprob
+        and top-n ids and values."""
         if batch.logprob_rows is None:
-            return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs)
-
+            return token_ids
         rows = batch.logprob_rows
         lp = torch.log_softmax(logits.index_select(0, rows), dim=-1)
         chosen = lp.gather(1, token_ids.index_select(0, rows)[:, None])
         n = max(top_n for _, top_n in batch.logprob_asks)
         top_vals, top_ids = lp.topk(n, dim=-1)  # sorted descending
         per_row = torch.cat([chosen, top_ids.float(), top_vals], dim=1)  # [R, 1 + 2n]
-        host = torch.cat([token_ids.float(), per_row.flatten()]).tolist()
-
-        ids = [int(t) for t in host[:bs]]
-        width = 1 + 2 * n
-        for j, (row, top_n) in enumerate(batch.logprob_asks):
-            rec = host[bs + j * width: bs + (j + 1) * width]
-            logprobs[row] = rec[0]
-            top_logprobs[row] = [(int(t), v) for t, v in zip(rec[1:1 + n], rec[1 + n:])][:top_n]
-        return SamplerOutput(ids, logprobs, top_logprobs)
+        return torch.cat([token_ids.float(), per_row.flatten()])

@@ -3,7 +3,13 @@
 Each step the scheduler picks one batch: new prefill work first (FCFS, within the chunked-prefill
 token budget), otherwise a decode step of every running request; with `enable_mixed_chunk` the
 decodes ride along with the prefill chunks in one MIXED batch. KV slots for the batch are allocated
-here, before the forward, and written into the request's `req_to_token` row.
+here, before the forward, and written into the request's `req_to_token` row (and its host copy,
+`req.slots`, so that freeing KV never reads the device).
+
+After the forward is launched, `commit()` advances the requests as if their sampled tokens were known
+(those are `pending` until `resolve()` gets their values from the device). With overlap scheduling the
+engine schedules the next step between the two calls; requests that will reach their length limit
+with the pending token are not scheduled again.
 """
 from __future__ import annotations
 
@@ -118,6 +124,7 @@ class Scheduler:
                            >= self.config.max_running_requests or self.req_to_token.available() == 0):
                 break
             if is_new:
+                assert not req.pending, "a waiting request's sampled tokens are resolved before it is admitted"
                 # Match at most len - 1 tokens: the last one must run to give the next token's logits.
                 slots, node = self.radix.match_prefix(req.fill_ids[:-1])
                 self.radix.inc_lock_ref(node)
@@ -134,8 +141,9 @@ class Scheduler:
             if is_new:
                 self.waiting.remove(req)
                 req.req_pool_idx = self.req_to_token.alloc()
+                req.slots = slots.tolist()
                 if req.cached_len:
-                    self.req_to_token.table[req.req_pool_idx, :req.cached_len] = slots
+                    self.req_to_token.write(req.req_pool_idx, 0, slots)
                 if not req.admitted:
                     req.cached_tokens = req.cached_len
                     req.admitted = True
@@ -181,9 +189,9 @@ class Scheduler:
         values = slots.tolist()  # a host tensor: no device sync
         end = 0
         for req, n in zip(reqs, counts):
-            end += n
+            req.slots += values[end:end + n]
             req.extend_len = n
-            req.last_slot = values[end - 1]
+            end += n
         self._pending_reqs += reqs
         self._pending_counts += counts
         self._pending_slots.append(slots)
@@ -202,14 +210,16 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         if req.req_pool_idx is None:
             return
-        slots = self.req_to_token.table[req.req_pool_idx, :req.kv_len].clone()
+        assert len(req.slots) == req.kv_len, "KV is released between steps, after commit()"
+        slots = torch.tensor(req.slots, dtype=torch.int64)
         self.radix.cache_finished(req.fill_ids[:req.kv_len], slots, req.cached_len, req.last_node)
         self.req_to_token.free(req.req_pool_idx)
         req.req_pool_idx, req.last_node, req.kv_len, req.cached_len, req.extend_len = None, None, 0, 0, 0
-        req.last_slot = 0
+        req.slots = []
 
     def _mark_finished(self, req: Request, reason: str, matched_stop: int | str | None = None) -> None:
         req.status = RequestStatus.FINISHED
+        req.pending.clear()  # tokens still on the device for it are dropped when they resolve
         req.finish_reason = reason
         req.matched_stop = matched_stop
 
@@ -218,27 +228,52 @@ class Scheduler:
         """Rows of the batch whose fill is complete after this forward: they get a token."""
         return [i for i, r in enumerate(batch.reqs) if r.kv_len + r.extend_len == r.seq_len]
 
-    def process(self, batch: ScheduledBatch, sampled: list[Request], token_ids: list[int]) -> None:
-        """Commit the forward's KV, append sampled tokens, finish requests that hit a stop condition."""
+    def commit(self, batch: ScheduledBatch, sampled: list[Request], futures: list[int]) -> None:
+        """Advance the batch's requests once its forward is launched; `sampled` got the pending tokens
+        `futures` (FutureTokens indices). Requests that the pending token takes to max_new_tokens or
+        the context length leave the running queue now: they finish when the token resolves."""
         for req in batch.reqs:
             req.kv_len += req.extend_len
             req.extend_len = 0
             if req is self.chunked:
                 # Chunked-so-far tokens go to the tree so the request (and others) can share them.
-                slots = self.req_to_token.table[req.req_pool_idx, :req.kv_len].clone()
+                slots = torch.tensor(req.slots, dtype=torch.int64)
                 tree_slots, node, cached = self.radix.cache_unfinished(
                     req.fill_ids[:req.kv_len], slots, req.cached_len, req.last_node)
-                self.req_to_token.table[req.req_pool_idx, :cached] = tree_slots
+                req.slots[:cached] = tree_slots.tolist()
+                self.req_to_token.write(req.req_pool_idx, 0, tree_slots)
                 req.last_node, req.cached_len = node, cached
         prefilled = set(map(id, batch.reqs[:batch.num_prefill]))
-        for req, token in zip(sampled, token_ids):
-            req.output_ids.append(token)
-            if id(req) in prefilled:
+        done = set()
+        for req, future in zip(sampled, futures):
+            req.pending.append(future)
+            at_limit = req.num_generated >= req.params.max_new_tokens or req.seq_len >= self.context_length
+            if at_limit:
+                done.add(id(req))
+            elif id(req) in prefilled:
                 self.running.append(req)
+        if done:
+            self.running = [r for r in self.running if id(r) not in done]
+
+    def resolve(self, sampled: list[Request], futures: list[int], token_ids: list[int]) -> list[Request]:
+        """Give pending tokens their sampled values; finish requests that hit a stop condition.
+
+        Returns the requests that got their token (those finished meanwhile, by abort or a stop
+        string, drop it)."""
+        got = []
+        for req, future, token in zip(sampled, futures, token_ids):
+            if req.finished:
+                continue
+            assert req.pending and req.pending[0] == future, "pending tokens resolve in order"
+            req.pending.pop(0)
+            req.output_ids.append(token)
+            got.append(req)
             params = req.params
             if params.stop_token_ids and token in params.stop_token_ids:
                 self.finish(req, "stop", token)
             elif not params.ignore_eos and token in self.eos_token_ids:
                 self.finish(req, "stop", token)
-            elif len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.context_length:
+            elif len(req.output_ids) >= params.max_new_tokens or \
+                    len(req.prompt_ids) + len(req.output_ids) >= self.context_length:
                 self.finish(req, "length")
+        return got

@@ -19,6 +19,7 @@ from kestrel.engine.scheduler import ScheduledBatch
 from kestrel.layers.kernels import Kernels
 from kestrel.models.loader import load_model
 from kestrel.runner.cuda_graph import CudaGraphRunner
+from kestrel.runner.future_tokens import FutureTokens
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class ModelRunner:
         # A request never holds more tokens than the pool or the context.
         self.max_req_len = min(config.model.context_length, self.allocator.size)
         self.req_to_token = ReqToTokenPool(config.scheduler.max_running_requests, self.max_req_len + 1, self.device)
+        # Every sampled request holds a req_to_token row, so a step samples at most max_running_requests.
+        self.future_tokens = FutureTokens(2 * config.scheduler.max_running_requests, self.device)
         logger.info("KV pool: %d tokens (%.2f GiB), page size %d", self.allocator.size,
                     self.allocator.size * per_token / 2**30, page)
 
@@ -86,7 +89,9 @@ class ModelRunner:
         """Flatten the requests' new tokens; their slots are already in req_to_token."""
         reqs = batch.reqs
         input_ids, positions, prefix, extend = [], [], [], []
+        pending = False
         for req in reqs:
+            pending = pending or bool(req.pending)
             input_ids += req.tokens(req.kv_len, req.kv_len + req.extend_len)
             positions += range(req.kv_len, req.kv_len + req.extend_len)
             prefix.append(req.kv_len)
@@ -98,8 +103,10 @@ class ModelRunner:
         packed = torch.tensor([input_ids, positions], dtype=torch.int64).to(self.device, non_blocking=True)
         per_req = torch.tensor([pool_idx, seq, prefix, extend, [e - 1 for e in ends]],
                                dtype=torch.int64).to(self.device, non_blocking=True)
+        # Inputs sampled by the step still running are only on the device: fetch them there.
+        ids = self.future_tokens.resolve(packed[0]) if pending else packed[0]
         return ForwardBatch(
-            forward_mode=batch.mode, input_ids=packed[0], positions=packed[1], out_cache_loc=batch.out_cache_loc,
+            forward_mode=batch.mode, input_ids=ids, positions=packed[1], out_cache_loc=batch.out_cache_loc,
             req_pool_indices=per_req[0], seq_lens=per_req[1], prefix_lens=per_req[2], extend_lens=per_req[3],
             seq_lens_cpu=seq, prefix_lens_cpu=prefix, extend_lens_cpu=extend, logits_indices=per_req[4],
             attn_backend=self.attn_backend)

@@ -72,7 +72,7 @@ class EngineLoop:
     def _loop(self) -> None:
         engine = self.engine
         while True:
-            idle = not engine.scheduler.has_work()
+            idle = not engine.has_work()
             if idle and not self.stats_sent_idle:
                 self._send_stats()
                 self.stats_sent_idle = True
@@ -89,7 +89,7 @@ class EngineLoop:
                     return
                 else:
                     raise TypeError(f"unexpected message {type(msg).__name__}")
-            if self.stats_sent_idle and engine.scheduler.has_work():
+            if self.stats_sent_idle and engine.has_work():
                 self._send_stats()  # busy now: replace the idle snapshot at once, not a second later
                 self.stats_sent_idle = False
             news = engine.step_deltas(touched)

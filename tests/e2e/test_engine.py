@@ -103,7 +103,7 @@ def test_abort_frees_kv_and_others_finish(tiny_model):
             engine.step()
         assert engine.abort(rids[1])
         assert not engine.abort("no-such-request")
-        while engine.scheduler.has_work():
+        while engine.has_work():
             engine.step()
         outs = {rid: engine.output(engine._pop(rid)) for rid in rids}
         assert outs[rids[1]].meta["finish_reason"] == "abort"
@@ -175,3 +175,64 @@ def test_text_prompts_stop_strings_and_logprobs(tiny_model):
         assert stopped.token_ids == out.token_ids[:out.token_ids.index(stop_id) + 1]
         assert stopped.meta["matched_stop"] == stop_id
         assert_pool_full(engine)
+
+
+def test_overlap_schedule_gives_the_same_outputs_as_the_synchronous_loop(tiny_model):
+    """Overlap launches step N+1 before step N's tokens reach the host; every output must match the
+    synchronous loop: stop tokens (the overlapped extra token is dropped), penalties (which turn the
+    overlap off while they run), logprobs, seeds, min_new_tokens, retraction, chunking."""
+    model = tiny_model("llama")
+    prompts = prompts_with_shared_prefixes(8, seed=5)
+    # A stop token the model really produces: the 3rd greedy token of the first prompt.
+    stop_at = run(model, prompts[:1], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True))[0][2]
+    params = [
+        SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=[stop_at], ignore_eos=True),
+        SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=14, temperature=0.9, top_k=20, seed=3, ignore_eos=True),
+        SamplingParams(max_new_tokens=9, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_new_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_new_tokens=8, temperature=0.7, frequency_penalty=0.5, seed=4, min_new_tokens=6),
+        SamplingParams(max_new_tokens=16, temperature=0.0, min_new_tokens=4),
+        SamplingParams(max_new_tokens=11, temperature=1.0, min_p=0.05, seed=9, ignore_eos=True),
+    ]
+
+    def outputs(**options):
+        with Engine(model=model, device="cpu", dtype="float32", **options) as engine:
+            outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+            assert_pool_full(engine)
+            retractions = engine.scheduler.num_retractions
+        return [(o.token_ids, o.meta["finish_reason"], o.meta.get("output_token_logprobs")) for o in outs], \
+            retractions
+
+    for options in ({}, {"max_total_tokens": 120, "chunked_prefill_size": 9}):
+        sync, _ = outputs(disable_overlap_schedule=True, **options)
+        overlapped, retractions = outputs(**options)
+        assert [o[:2] for o in overlapped] == [o[:2] for o in sync]
+        # Logprobs may differ in the last bits: a batch's composition changes the float sums.
+        for (_, _, got), (_, _, want) in zip(overlapped, sync):
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert [t for _, t in got] == [t for _, t in want]
+                assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in want], abs=1e-4)
+        assert retractions > 0 or not options
+    assert sync[0][0][-1] == stop_at and sync[0][1] == "stop" and len(sync[0][0]) == 3
+    assert len(sync[1][0]) == 1
+
+
+def test_overlap_schedule_really_launches_ahead(tiny_model):
+    model = tiny_model("llama")
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    for disable, got_first in ((True, 1), (False, 0)):
+        with Engine(model=model, device="cpu", dtype="float32", disable_overlap_schedule=disable) as engine:
+            rid = engine.add_request(prompt_token_ids=[5, 6, 7], sampling_params=params)
+            engine.step()  # the prefill: with overlap its token is still pending after the step
+            req = engine._reqs[rid]
+            assert len(req.output_ids) == got_first and len(req.pending) == 1 - got_first
+            steps = 1
+            while engine.has_work():
+                engine.step()
+                steps += 1
+            assert len(req.output_ids) == 4 and not req.pending
+            # Length-limited requests are not scheduled past their last token, so overlap costs
+            # exactly one extra step (the one that resolves the last launch).
+            assert steps == 4 + (not disable)
