@@ -41,6 +41,9 @@ class SchedulerConfig:
     # Overlap scheduling: schedule and launch step N+1 while step N runs on the device, so host work
     # hides behind the GPU. Outputs are the same either way; turn it off to debug.
     disable_overlap_schedule: bool = False
+    # Admission keeps room for the running requests' future tokens: (max_new_tokens - generated) times
+    # an estimated ratio that starts at 0.7 x this and decays as decoding goes well; 0 reserves nothing.
+    schedule_conservativeness: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -170,13 +173,15 @@ class EngineConfig:
         s = self.scheduler
         if s.max_running_requests is not None and s.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {s.max_running_requests}")
+        if s.schedule_conservativeness < 0:
+            raise ValueError(f"schedule_conservativeness must be >= 0, got {s.schedule_conservativeness}")
         chunk = s.chunked_prefill_size
         if chunk is None:
             chunk = 8192 if on_gpu else 2048
         if chunk != -1 and chunk < 1:
             raise ValueError(f"chunked_prefill_size must be -1 (off) or >= 1, got {chunk}")
         scheduler = dataclasses.replace(
-            s, chunked_prefill_size=chunk, max_running_requests=s.max_running_requests or (256 if on_gpu else 64))
+            s, chunked_prefill_size=chunk, max_running_requests=s.max_running_requests or (1024 if on_gpu else 64))
 
         if self.speculative.speculative_attention_mode not in ("prefill", "decode"):
             raise ValueError("speculative_attention_mode must be 'prefill' or 'decode', "

@@ -6,6 +6,10 @@ decodes ride along with the prefill chunks in one MIXED batch. KV slots for the 
 here, before the forward, and written into the request's `req_to_token` row (and its host copy,
 `req.slots`, so that freeing KV never reads the device).
 
+Admission estimates how many more tokens each running request will need (SGLang's "new token ratio":
+a fraction of its remaining max_new_tokens that starts high, decays with every decode step and is
+reset by a retraction), so that prefills do not fill the pool only to be retracted later.
+
 After the forward is launched, `commit()` advances the requests as if their sampled tokens were known
 (those are `pending` until `resolve()` gets their values from the device). With overlap scheduling the
 engine schedules the next step between the two calls; requests that will reach their length limit
@@ -24,6 +28,14 @@ from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.config import SchedulerConfig
 from kestrel.core.forward_mode import ForwardMode
 from kestrel.core.request import Request, RequestStatus
+
+
+# New-token-ratio estimate: start at INIT x conservativeness, fall linearly to MIN over DECAY_STEPS
+# decode steps; a request's remaining budget counts at most CLIP_NEW_TOKENS.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+CLIP_NEW_TOKENS = 4096
 
 
 @dataclass
@@ -49,6 +61,9 @@ class Scheduler:
         self.running: list[Request] = []  # decoding, in admission order
         self.chunked: Request | None = None  # prefill in progress across steps
         self.num_retractions = 0
+        self.init_ratio = INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness
+        self.min_ratio = min(MIN_NEW_TOKEN_RATIO * config.schedule_conservativeness, self.init_ratio)
+        self.new_token_ratio = self.init_ratio
         # This step's allocations, in batch order: the requests, their new-token counts, host slot tensors.
         self._pending_reqs: list[Request] = []
         self._pending_counts: list[int] = []
@@ -117,6 +132,8 @@ class Scheduler:
         budget = float("inf") if budget == -1 else budget
         page = self.allocator.page_size
         picked: list[Request] = []
+        # Room kept for the running requests' future tokens (and each one's next decode page).
+        reserve = sum(self._expected_new_tokens(r) for r in self.running) + len(self.running) * page
         candidates = ([self.chunked] if self.chunked else []) + list(self.waiting)
         for req in candidates:
             is_new = req is not self.chunked
@@ -131,9 +148,11 @@ class Scheduler:
                 req.last_node, req.cached_len, req.kv_len = node, len(slots), len(slots)
             remaining = req.seq_len - req.kv_len
             take = int(min(remaining, budget))
-            # Every running request keeps room for its next decode token.
-            reserve = (len(self.running) + len(picked)) * page
-            if take <= 0 or self.allocator.tokens_needed(req.kv_len, take) + reserve > self._free_tokens():
+            need = self.allocator.tokens_needed(req.kv_len, take) + self._expected_new_tokens(req)
+            # The first request is admitted whenever its prompt fits, so that something always runs.
+            if not self.running and not picked:
+                need = self.allocator.tokens_needed(req.kv_len, take)
+            if take <= 0 or need + reserve > self._free_tokens():
                 if is_new:
                     self.radix.dec_lock_ref(req.last_node)
                     req.last_node, req.cached_len, req.kv_len = None, 0, 0
@@ -150,6 +169,7 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
             self._allocate(req, take)
             picked.append(req)
+            reserve += self._expected_new_tokens(req) + page
             budget -= take
             if take < remaining:
                 self.chunked = req
@@ -157,6 +177,10 @@ class Scheduler:
             if req is self.chunked:
                 self.chunked = None
         return picked
+
+    def _expected_new_tokens(self, req: Request) -> int:
+        left = min(req.params.max_new_tokens - req.num_generated, CLIP_NEW_TOKENS)
+        return int(max(0, left) * self.new_token_ratio)
 
     def _schedule_decode(self, protected: list[Request]) -> list[Request]:
         """Every running request gets one slot; retract the newest while the pool cannot hold them.
@@ -168,6 +192,8 @@ class Scheduler:
             chunked_ok = self.chunked is not None and all(self.chunked is not p for p in protected)
             self._retract(self.chunked if chunked_ok else self.running[-1])
         if self.running:
+            step = (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+            self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - step)
             self._make_room(needed())
             ones = [1] * len(self.running)
             slots = self.allocator.alloc_many([r.kv_len for r in self.running], ones,
@@ -205,6 +231,7 @@ class Scheduler:
         self._release(req)
         req.status = RequestStatus.WAITING
         self.num_retractions += 1
+        self.new_token_ratio = self.init_ratio  # the estimate was too low: be careful again
         self.add(req)
 
     def _release(self, req: Request) -> None:

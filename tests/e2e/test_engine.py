@@ -78,6 +78,23 @@ def test_tiny_kv_budget_retracts_and_still_gives_same_tokens(tiny_model):
     assert [o.token_ids for o in outs] == roomy
 
 
+def test_new_token_reserve_avoids_retractions(tiny_model):
+    model = tiny_model("llama")
+    prompts = [[7 + i] * 20 for i in range(8)]
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    roomy = run(model, prompts, params)
+    retractions = {}
+    for conservativeness in (0.0, 1.0):
+        with Engine(model=model, device="cpu", dtype="float32", max_total_tokens=200,
+                    schedule_conservativeness=conservativeness) as engine:
+            outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+            assert [o.token_ids for o in outs] == roomy
+            assert_pool_full(engine)
+            retractions[conservativeness] = engine.scheduler.num_retractions
+    # Without a reserve all 8 prompts (160 tokens) are admitted at once and the pool overflows.
+    assert retractions[0.0] >= 3 and retractions[1.0] < retractions[0.0]
+
+
 def test_same_seed_same_tokens_alone_or_batched(tiny_model):
     model = tiny_model("mistral")
     params = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
@@ -204,7 +221,8 @@ def test_overlap_schedule_gives_the_same_outputs_as_the_synchronous_loop(tiny_mo
         return [(o.token_ids, o.meta["finish_reason"], o.meta.get("output_token_logprobs")) for o in outs], \
             retractions
 
-    for options in ({}, {"max_total_tokens": 120, "chunked_prefill_size": 9}):
+    # No admission reserve in the tight run, so that requests with pending tokens get retracted.
+    for options in ({}, {"max_total_tokens": 120, "chunked_prefill_size": 9, "schedule_conservativeness": 0}):
         sync, _ = outputs(disable_overlap_schedule=True, **options)
         overlapped, retractions = outputs(**options)
         assert [o[:2] for o in overlapped] == [o[:2] for o in sync]
