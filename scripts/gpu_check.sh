@@ -34,7 +34,7 @@ for stage in $stages; do
         --transformers-batch-size 128 --transformers-prompts 256 --json "$OUT/offline_512_256.json" 2>&1 | tail -12 ;;
     offline4k)
       for r in 0 1; do
-        n=500; [ $r = 1 ] && n=200
+        n=500
         timeout 280 python3 -m kestrel.bench.offline --model kestrel/assets/configs/llama-3.1-8b --load-format dummy \
           --num-prompts $n --random-input-len 4096 --random-output-len 2048 --random-range-ratio $r \
           --json "$OUT/offline_4096_2048_r$r.json" 2>&1 | tail -9
