@@ -60,6 +60,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # kept sorted by arrival, so retracted requests go back in place
         self.running: list[Request] = []  # decoding, in admission order
         self.chunked: Request | None = None  # prefill in progress across steps
+        self.finishing: set[Request] = set()  # past their last decode, waiting for their last token
         self.num_retractions = 0
         self.init_ratio = INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness
         self.min_ratio = min(MIN_NEW_TOKEN_RATIO * config.schedule_conservativeness, self.init_ratio)
@@ -83,7 +84,7 @@ class Scheduler:
                 self.waiting.remove(req)
                 self._mark_finished(req, "abort")
                 return req
-        for req in self.running + ([self.chunked] if self.chunked else []):
+        for req in self.running + ([self.chunked] if self.chunked else []) + list(self.finishing):
             if req.rid == rid:
                 self.finish(req, "abort")
                 return req
@@ -97,6 +98,7 @@ class Scheduler:
             self.chunked = None
         if req in self.waiting:
             self.waiting.remove(req)
+        self.finishing.discard(req)
         self._release(req)
         self._mark_finished(req, reason, matched_stop)
 
@@ -277,6 +279,7 @@ class Scheduler:
             at_limit = req.num_generated >= req.params.max_new_tokens or req.seq_len >= self.context_length
             if at_limit:
                 done.add(id(req))
+                self.finishing.add(req)
             elif id(req) in prefilled:
                 self.running.append(req)
         if done:

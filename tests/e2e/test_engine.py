@@ -254,3 +254,20 @@ def test_overlap_schedule_really_launches_ahead(tiny_model):
             # Length-limited requests are not scheduled past their last token, so overlap costs
             # exactly one extra step (the one that resolves the last launch).
             assert steps == 4 + (not disable)
+
+
+def test_abort_reaches_a_request_whose_last_token_is_in_flight(tiny_model):
+    model = tiny_model("llama")
+    with Engine(model=model, device="cpu", dtype="float32") as engine:
+        rid = engine.add_request(prompt_token_ids=[5, 6, 7],
+                                 sampling_params=SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True))
+        engine.step()  # prefill launched
+        engine.step()  # last decode launched, first token resolved: the request is finishing
+        assert engine.scheduler.finishing and not engine.scheduler.running
+        assert engine.abort(rid)
+        while engine.has_work():
+            engine.step()
+        out = engine.output(engine._pop(rid))
+        assert out.meta["finish_reason"] == "abort" and len(out.token_ids) == 1
+        assert not engine.scheduler.finishing
+        assert_pool_full(engine)
