@@ -34,3 +34,22 @@ def test_cuda_bfloat16_with_memory_sized_pool(tmp_path):
         again = e.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
         assert all(o.meta["cached_tokens"] > 0 for o in again)
         assert_pool_full(e)
+
+
+def test_cuda_overlap_schedule_equals_synchronous_loop(tmp_path):
+    """On CUDA the overlapped step really runs ahead of the host; outputs must not change: greedy with
+    real eos stops, seeded sampling, logprobs, a tight pool (retraction), CUDA graphs on."""
+    model = str(make_tiny_model("llama", tmp_path, with_tokenizer=True))
+    prompts = prompts_with_shared_prefixes(12, seed=6)
+    params = [SamplingParams(max_new_tokens=24, temperature=0.0),
+              SamplingParams(max_new_tokens=20, temperature=0.8, seed=11, ignore_eos=True),
+              SamplingParams(max_new_tokens=18, temperature=0.0, logprobs=1, ignore_eos=True)] * 4
+    outs = {}
+    for disable in (True, False):
+        with Engine(model=model, device="cuda", dtype="float32", max_total_tokens=400, schedule_conservativeness=0,
+                    disable_overlap_schedule=disable) as e:
+            got = e.generate(prompt_token_ids=prompts, sampling_params=params)
+            assert_pool_full(e)
+            outs[disable] = [(o.token_ids, o.meta["finish_reason"]) for o in got]
+            assert e.scheduler.num_retractions > 0
+    assert outs[False] == outs[True]
