@@ -27,7 +27,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         engine = Engine(model=str(make_tiny_model("llama", tmp)), device="cpu", dtype="float32",
-                        max_running_requests=max(args.running, 1))
+                        max_running_requests=max(args.running, 1), disable_overlap_schedule=True)
         rng = random.Random(0)
         params = SamplingParams(max_new_tokens=args.steps + 10, temperature=0.0, ignore_eos=True)
         for _ in range(args.running):

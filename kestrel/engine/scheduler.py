@@ -134,9 +134,11 @@ class Scheduler:
         budget = float("inf") if budget == -1 else budget
         page = self.allocator.page_size
         picked: list[Request] = []
+        candidates = ([self.chunked] if self.chunked else []) + list(self.waiting)
+        if not candidates:
+            return picked
         # Room kept for the running requests' future tokens (and each one's next decode page).
         reserve = sum(self._expected_new_tokens(r) for r in self.running) + len(self.running) * page
-        candidates = ([self.chunked] if self.chunked else []) + list(self.waiting)
         for req in candidates:
             is_new = req is not self.chunked
             if is_new and (len(self.running) + len(picked) + (self.chunked is not None)
