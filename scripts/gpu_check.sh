@@ -25,7 +25,7 @@ for stage in $stages; do
         --disable-overlap-schedule --json "$OUT/one_batch_bs1_sync.json" 2>&1 | grep -v "^\s*$" | tail -11 ;;
     profile)
       for bs in 1 64; do
-        timeout 150 python3 scripts/profile_decode.py --batch-size $bs --steps 5 2>&1 | grep -v "^-" | head -26 \
+        timeout 150 python3 scripts/profile_decode.py --batch-size $bs --steps 5 2>&1 | grep -v "Warn\|warn" \
           | cut -c1-150 | tee -a "$OUT/profile.log"
       done ;;
     offline512)
