@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 for stage in $stages; do
   case $stage in
-    gpu) timeout 420 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    gpu) timeout ${GPU_TESTS_TIMEOUT:-420} python3 -m pytest tests/gpu -q -p no:cacheprovider -rf 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     cpu) CUDA_VISIBLE_DEVICES= timeout 150 python3 -m pytest tests/model tests/e2e/test_engine.py \
            -q -p no:cacheprovider -x 2>&1 | tee "$OUT/cpu_tests.log" | tail -3 ;;
     bench)
@@ -19,6 +19,10 @@ for stage in $stages; do
           --batch-size $bs --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 64 \
           --json "$OUT/one_batch_bs$bs.json" 2>&1 | grep -v "^\s*$" | tail -11
       done ;;
+    bench1)  # bs=1 only
+      timeout 120 python3 -m kestrel.bench.one_batch --model kestrel/assets/configs/llama-3.1-8b --load-format dummy \
+        --batch-size 1 --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 64 \
+        --json "$OUT/one_batch_bs1.json" 2>&1 | grep -v "^\s*$" | tail -11 ;;
     bench_sync)  # the same decode without overlap scheduling, to see what the overlap hides
       timeout 200 python3 -m kestrel.bench.one_batch --model kestrel/assets/configs/llama-3.1-8b --load-format dummy \
         --batch-size 1 --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 64 \
@@ -34,8 +38,8 @@ for stage in $stages; do
         --transformers-batch-size 128 --transformers-prompts 256 --json "$OUT/offline_512_256.json" 2>&1 | tail -12 ;;
     offline4k_r0|offline4k_r1)  # SGLang's CI workload (r=0) and fixed lengths (r=1)
       r=${stage#offline4k_r}
-      timeout 290 python3 -m kestrel.bench.offline --model kestrel/assets/configs/llama-3.1-8b --load-format dummy \
-        --num-prompts 500 --random-input-len 4096 --random-output-len 2048 --random-range-ratio $r \
+      timeout ${OFFLINE4K_TIMEOUT:-290} python3 -m kestrel.bench.offline --model kestrel/assets/configs/llama-3.1-8b \
+        --load-format dummy --num-prompts ${OFFLINE4K_PROMPTS:-500} --random-input-len 4096 --random-output-len 2048 --random-range-ratio $r \
         --json "$OUT/offline_4096_2048_r$r.json" 2>&1 | tail -10 ;;
   esac
 done

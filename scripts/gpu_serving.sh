@@ -12,9 +12,9 @@ python3 -m kestrel.cli serve --model $MODEL --load-format dummy --port 30000 > "
 server=$!
 for _ in $(seq 240); do grep -q "ready on" "$OUT/server.log" && break; sleep 1; done
 grep "ready on" "$OUT/server.log" || { tail -30 "$OUT/server.log"; exit 1; }
-timeout 200 python3 -m kestrel.bench.serving --base-url http://127.0.0.1:30000 --num-prompts 320 --max-concurrency 64 \
+timeout 200 python3 -m kestrel.bench.serving --base-url http://127.0.0.1:30000 --num-prompts ${SERVING_PROMPTS:-320} --max-concurrency 64 \
   --random-input-len 1000 --random-output-len 500 --random-range-ratio 0.2 --vocab-size 128000 \
   --json "$OUT/serving_c64.json" 2>&1 | tail -12
 kill -TERM $server; wait $server
 timeout 150 python3 -m kestrel.bench.one_batch --model $MODEL --load-format dummy --batch-size 64 --input-len 600 \
-  --output-len 300 --max-total-tokens 131072 --cuda-graph-max-bs 64 --json "$OUT/one_batch_bs64_600.json" 2>&1 | tail -11
+  --output-len ${ONE_BATCH_OUTPUT:-300} --max-total-tokens 131072 --cuda-graph-max-bs 64 --json "$OUT/one_batch_bs64_600.json" 2>&1 | tail -11
