@@ -90,6 +90,12 @@ class StepRecorder:
             return out
 
         engine.scheduler.schedule, engine.step = recording_schedule, recording_step
+        self._engine = engine
+
+    def detach(self) -> None:
+        """Restore the engine's own methods (the wrappers would keep the engine, and its GPU memory, alive)."""
+        del self._engine.scheduler.schedule, self._engine.step
+        self._engine = None
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per forward mode: steps, seconds, new tokens, mean requests per step, median step time."""

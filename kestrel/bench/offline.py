@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 
 import torch
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"workload": vars(args) | {"model": engine.config.model.model},
               "kestrel": run_kestrel(engine, prompts, out_lens)}
     result["kestrel"]["steps"] = recorder.summary()
+    recorder.detach()
     rows = [("prompts", args.num_prompts),
             ("input / output tokens", f"{result['kestrel']['input_tokens']} / {result['kestrel']['output_tokens']}"),
             ("elapsed (s)", result["kestrel"]["elapsed_s"]),
@@ -102,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         model_path = engine.config.model.model
         engine.shutdown()
         del engine
+        gc.collect()  # the engine's KV pool must be gone before transformers loads its model
         n = min(args.transformers_prompts, len(prompts))
         base = run_transformers(model_path, dtype, device, prompts[:n], out_lens[:n], args.transformers_batch_size)
         result["transformers"] = base
