@@ -67,20 +67,20 @@ class SamplingBatch:
 
     vocab_size: int
     all_greedy: bool
-    # The sampling-path tensors are None in an all-greedy batch (argmax needs none of them, and each
-    # would cost a host-to-device copy every step).
-    greedy: torch.Tensor | None  # [B] bool, temperature == 0
-    temperatures: torch.Tensor | None  # [B] float32, 1.0 on greedy rows
-    seed_lo: torch.Tensor | None  # [B] int64, low 32 bits of the 64-bit seed
-    seed_hi: torch.Tensor | None  # [B] int64, high 32 bits
-    positions: torch.Tensor | None  # [B] int64, position of the token being generated
-    top_ks: torch.Tensor | None  # [B] int64, vocab_size where disabled
-    top_ps: torch.Tensor | None  # [B] float32, inf where disabled (keeps every token exactly)
-    min_ps: torch.Tensor | None  # [B] float32, 0 where disabled
     penalties: Penalties | None
     blocked: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) forced to -inf
     logprob_rows: torch.Tensor | None  # [R] int64, rows with params.logprobs is not None
     logprob_asks: list[tuple[int, int]]  # host copy: (row, params.logprobs) per logprob row
+    # The sampling-path tensors stay None in an all-greedy batch (argmax needs none of them, and each
+    # would cost a host-to-device copy every step).
+    greedy: torch.Tensor | None = None  # [B] bool, temperature == 0
+    temperatures: torch.Tensor | None = None  # [B] float32, 1.0 on greedy rows
+    seed_lo: torch.Tensor | None = None  # [B] int64, low 32 bits of the 64-bit seed
+    seed_hi: torch.Tensor | None = None  # [B] int64, high 32 bits
+    positions: torch.Tensor | None = None  # [B] int64, position of the token being generated
+    top_ks: torch.Tensor | None = None  # [B] int64, vocab_size where disabled
+    top_ps: torch.Tensor | None = None  # [B] float32, inf where disabled (keeps every token exactly)
+    min_ps: torch.Tensor | None = None  # [B] float32, 0 where disabled
 
     @classmethod
     def from_requests(cls, reqs: list[Request], vocab_size: int, eos_token_ids: set[int],
@@ -92,12 +92,6 @@ class SamplingBatch:
             # A plain torch.tensor(..., device=cuda) waits for the device; a non-blocking copy does not.
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-        # Filters only matter on sampled rows; a batch where no sampled row uses one skips it.
-        top_ks = [vocab_size if g or p.top_k == -1 else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
-        top_ps = [float("inf") if g or p.top_p >= 1 else float(p.top_p) for p, g in zip(params, greedy)]
-        min_ps = [0.0 if g else float(p.min_p) for p, g in zip(params, greedy)]
-
-        seeds = [r.seed & 0xFFFFFFFFFFFFFFFF for r in reqs]  # two's complement for negative seeds
         logprob_idx = [i for i, p in enumerate(params) if p.logprobs is not None]
         if logprob_idx and vocab_size > _MAX_PACKED_VOCAB:
             raise ValueError(f"logprobs need vocab_size <= {_MAX_PACKED_VOCAB}, got {vocab_size}")
@@ -105,20 +99,33 @@ class SamplingBatch:
         return cls(
             vocab_size=vocab_size,
             all_greedy=not sampled,
-            greedy=tensor(greedy, torch.bool) if sampled else None,
-            temperatures=tensor([1.0 if g else float(p.temperature) for p, g in zip(params, greedy)],
-                                torch.float32) if sampled else None,
-            seed_lo=tensor([s & _M32 for s in seeds], torch.int64) if sampled else None,
-            seed_hi=tensor([s >> 32 for s in seeds], torch.int64) if sampled else None,
-            positions=tensor([r.seq_len for r in reqs], torch.int64) if sampled else None,
-            top_ks=tensor(top_ks, torch.int64) if any(k < vocab_size for k in top_ks) else None,
-            top_ps=tensor(top_ps, torch.float32) if any(p != float("inf") for p in top_ps) else None,
-            min_ps=tensor(min_ps, torch.float32) if any(p > 0 for p in min_ps) else None,
+            **(_sampling_tensors(reqs, greedy, vocab_size, tensor) if sampled else {}),
             penalties=_build_penalties(reqs, tensor),
             blocked=_build_blocked(reqs, vocab_size, eos_token_ids, tensor),
             logprob_rows=tensor(logprob_idx, torch.int64) if logprob_idx else None,
             logprob_asks=[(i, params[i].logprobs) for i in logprob_idx],
         )
+
+
+def _sampling_tensors(reqs: list[Request], greedy: list[bool], vocab_size: int,
+                      tensor: _ToTensor) -> dict[str, torch.Tensor | None]:
+    """The SamplingBatch fields of a batch with at least one sampled row; greedy rows get neutral values."""
+    params = [r.params for r in reqs]
+    # Filters only matter on sampled rows; a batch where no sampled row uses one skips it.
+    top_ks = [vocab_size if g or p.top_k == -1 else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
+    top_ps = [float("inf") if g or p.top_p >= 1 else float(p.top_p) for p, g in zip(params, greedy)]
+    min_ps = [0.0 if g else float(p.min_p) for p, g in zip(params, greedy)]
+    seeds = [r.seed & 0xFFFFFFFFFFFFFFFF for r in reqs]  # two's complement for negative seeds
+    return {
+        "greedy": tensor(greedy, torch.bool),
+        "temperatures": tensor([1.0 if g else float(p.temperature) for p, g in zip(params, greedy)], torch.float32),
+        "seed_lo": tensor([s & _M32 for s in seeds], torch.int64),
+        "seed_hi": tensor([s >> 32 for s in seeds], torch.int64),
+        "positions": tensor([r.seq_len for r in reqs], torch.int64),
+        "top_ks": tensor(top_ks, torch.int64) if any(k < vocab_size for k in top_ks) else None,
+        "top_ps": tensor(top_ps, torch.float32) if any(p != float("inf") for p in top_ps) else None,
+        "min_ps": tensor(min_ps, torch.float32) if any(p > 0 for p in min_ps) else None,
+    }
 
 
 def _build_penalties(reqs: list[Request], tensor: _ToTensor) -> Penalties | None:

@@ -192,13 +192,15 @@ class Scheduler:
         def needed() -> int:
             return sum(self.allocator.tokens_needed(r.kv_len, 1) for r in self.running)
 
-        while self.running and needed() > self._free_tokens():
+        need = needed()
+        while self.running and need > self._free_tokens():
             chunked_ok = self.chunked is not None and all(self.chunked is not p for p in protected)
             self._retract(self.chunked if chunked_ok else self.running[-1])
+            need = needed()
         if self.running:
             step = (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
             self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - step)
-            self._make_room(needed())
+            self._make_room(need)
             ones = [1] * len(self.running)
             slots = self.allocator.alloc_many([r.kv_len for r in self.running], ones,
                                               [r.last_slot for r in self.running])
@@ -275,17 +277,15 @@ class Scheduler:
                 self.req_to_token.write(req.req_pool_idx, 0, tree_slots)
                 req.last_node, req.cached_len = node, cached
         prefilled = set(map(id, batch.reqs[:batch.num_prefill]))
-        done = set()
+        finishing = len(self.finishing)
         for req, future in zip(sampled, futures):
             req.pending.append(future)
-            at_limit = req.num_generated >= req.params.max_new_tokens or req.seq_len >= self.context_length
-            if at_limit:
-                done.add(id(req))
+            if self._at_length_limit(req, req.num_generated, req.seq_len):
                 self.finishing.add(req)
             elif id(req) in prefilled:
                 self.running.append(req)
-        if done:
-            self.running = [r for r in self.running if id(r) not in done]
+        if len(self.finishing) > finishing:
+            self.running = [r for r in self.running if r not in self.finishing]
 
     def resolve(self, sampled: list[Request], futures: list[int], token_ids: list[int]) -> list[Request]:
         """Give pending tokens their sampled values; finish requests that hit a stop condition.
@@ -305,7 +305,10 @@ class Scheduler:
                 self.finish(req, "stop", token)
             elif not params.ignore_eos and token in self.eos_token_ids:
                 self.finish(req, "stop", token)
-            elif len(req.output_ids) >= params.max_new_tokens or \
-                    len(req.prompt_ids) + len(req.output_ids) >= self.context_length:
+            # Resolved tokens only: a token launched after this one may still be pending.
+            elif self._at_length_limit(req, len(req.output_ids), len(req.prompt_ids) + len(req.output_ids)):
                 self.finish(req, "length")
         return got
+
+    def _at_length_limit(self, req: Request, generated: int, seq_len: int) -> bool:
+        return generated >= req.params.max_new_tokens or seq_len >= self.context_length
