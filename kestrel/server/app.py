@@ -6,7 +6,6 @@ import logging
 import secrets
 
 from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -54,10 +53,6 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> Response:
         return APIError(exc.status_code, str(exc.detail)).response()
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
-        return APIError(400, str(exc)).response()
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> Response:

@@ -147,10 +147,6 @@ class EngineClient:
         self._send(AddRequests(group.id, reqs))
         try:
             await group.admitted
-        except APIError:
-            for rid in group.rids:
-                self._tracked.pop(rid, None)
-            raise
         except asyncio.CancelledError:  # the client left before the engine answered
             self.abort(group.rids)
             raise
@@ -199,6 +195,10 @@ class EngineClient:
                 if msg.error is None:
                     group.admitted.set_result(None)
                 else:
+                    # Forget the group now: the final deltas of its already-added requests may
+                    # arrive in this same read, and a rejected request is not an aborted one.
+                    for rid in group.rids:
+                        self._tracked.pop(rid, None)
                     group.admitted.set_exception(APIError(msg.status, msg.error))
         elif isinstance(msg, EngineStats):
             self.stats = msg

@@ -75,7 +75,8 @@ class Generation:
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         """Text and tokens as they come, until every choice finished; raises APIError if the engine dies."""
         assert self._group is not None, "start() first"
-        while not all(c.finished for c in self.choices):
+        unfinished = sum(not c.finished for c in self.choices)
+        while unfinished:
             item = await self._group.queue.get()
             if isinstance(item, APIError):
                 raise item
@@ -85,6 +86,7 @@ class Generation:
             if delta.finished:
                 new_text += text.finish() if text is not None else ""
                 choice.finish_reason, choice.matched_stop = delta.finish_reason or "abort", delta.matched_stop
+                unfinished -= 1
             choice.text += new_text
             choice.token_ids += delta.token_ids
             choice.cached_tokens = delta.cached_tokens

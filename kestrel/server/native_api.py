@@ -14,10 +14,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kestrel.server.errors import APIError, bad_request
+from kestrel.server.errors import bad_request
 from kestrel.server.generation import Choice, Generation
-from kestrel.server.protocol import GenerateRequest, choice_params, native_sampling_params, validated
-from kestrel.server.sse import SSE_DONE, sse_event
+from kestrel.server.protocol import GenerateRequest, expand_choices, native_sampling_params, validated
+from kestrel.server.sse import sse_stream
 from kestrel.server.state import ServerState, parse_body, respond
 
 
@@ -64,18 +64,16 @@ async def generate(state: ServerState, request: Request) -> Response:
     except TypeError as e:
         raise bad_request(f"invalid sampling_params: {e}", "sampling_params") from None
     params = validated(params, state.client.info.vocab_size, {})
-    per_choice = choice_params(params, n)
-    gen = Generation(state.client, state.tokenizer, [p for p in prompts for _ in range(n)],
-                     per_choice * len(prompts), prompt_param="text" if body.text is not None else "input_ids")
+    gen = Generation(state.client, state.tokenizer, *expand_choices(prompts, params, n),
+                     prompt_param="text" if body.text is not None else "input_ids")
     many = batch or n > 1
 
-    async def events() -> AsyncIterator[bytes]:
-        try:
-            async for u in gen.updates():
-                yield sse_event(_output(gen, gen.choices[u.index], u.index if many else None))
-        except APIError as e:
-            yield sse_event(e.body())
-        yield SSE_DONE
+    async def outputs() -> AsyncIterator[dict[str, Any]]:
+        async for u in gen.updates():
+            yield _output(gen, gen.choices[u.index], u.index if many else None)
+
+    def events() -> AsyncIterator[bytes]:
+        return sse_stream(outputs())
 
     def whole() -> Any:
         outs = [_output(gen, c, None) for c in gen.choices]

@@ -9,41 +9,29 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kestrel.core.sampling_params import SamplingParams
 from kestrel.engine.tokenizer import apply_chat_template
-from kestrel.server.errors import APIError, bad_request
+from kestrel.server.errors import bad_request
 from kestrel.server.generation import Choice, ChoiceUpdate, Generation
-from kestrel.server.protocol import (ChatCompletionRequest, CompletionRequest, choice_params, prompt_list,
+from kestrel.server.protocol import (ChatCompletionRequest, CompletionRequest, expand_choices, prompt_list,
                                      validated)
-from kestrel.server.sse import SSE_DONE, sse_event
+from kestrel.server.sse import sse_stream
 from kestrel.server.state import ServerState, parse_body, respond
 
 _API_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-def _expand(prompts: list[list[int]], params: SamplingParams, n: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    """n choices per prompt, prompt-major (choice index = prompt index * n + j), as OpenAI orders them."""
-    per_choice = choice_params(params, n)
-    return [ids for ids in prompts for _ in range(n)], per_choice * len(prompts)
-
-
 async def _events(gen: Generation, head: dict[str, Any], chunk_choice: Callable[[ChoiceUpdate], dict | None],
-                  include_usage: bool, n: int, first: list[dict] | None = None) -> AsyncIterator[bytes]:
-    """SSE chunks: `first` choices (role / echo), one chunk per update worth sending, usage, [DONE]."""
-    try:
-        if first:
-            for choice in first:
-                yield sse_event({**head, "choices": [choice]})
-        async for update in gen.updates():
-            choice = chunk_choice(update)
-            if choice is not None:
-                yield sse_event({**head, "choices": [choice]})
-        if include_usage:
-            yield sse_event({**head, "choices": [], "usage": gen.usage(n)})
-    except APIError as e:  # the engine died mid-stream: say so in the stream, then end it
-        yield sse_event(e.body())
-    yield SSE_DONE
+                  include_usage: bool, n: int, first: list[dict] | None = None) -> AsyncIterator[dict]:
+    """Chunk payloads: `first` choices (role / echo), one chunk per update worth sending, usage."""
+    for choice in first or []:
+        yield {**head, "choices": [choice]}
+    async for update in gen.updates():
+        choice = chunk_choice(update)
+        if choice is not None:
+            yield {**head, "choices": [choice]}
+    if include_usage:
+        yield {**head, "choices": [], "usage": gen.usage(n)}
 
 
 def _worth_sending(update: ChoiceUpdate) -> bool:
@@ -73,7 +61,7 @@ async def completions(state: ServerState, request: Request) -> Response:
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     params = validated(body.sampling_params(max_tokens, body.logprobs), state.client.info.vocab_size,
                        _API_NAMES)
-    gen = Generation(state.client, state.tokenizer, *_expand(prompts, params, body.n))
+    gen = Generation(state.client, state.tokenizer, *expand_choices(prompts, params, body.n))
     echoes = [(p if isinstance(p, str) else state.decode(p)) if body.echo else "" for p in texts]
     echo_of = [echoes[i // body.n] for i in range(len(gen.choices))]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": gen.created,
@@ -97,7 +85,7 @@ async def completions(state: ServerState, request: Request) -> Response:
     def events() -> AsyncIterator[bytes]:
         first = [{"index": i, "text": e, "finish_reason": None, "logprobs": None}
                  for i, e in enumerate(echo_of) if e]
-        return _events(gen, head, chunk_choice, body.include_usage(), body.n, first)
+        return sse_stream(_events(gen, head, chunk_choice, body.include_usage(), body.n, first))
 
     def final(c: Choice) -> dict[str, Any]:
         lps = c.logprobs if c.params.logprobs is not None else None
@@ -135,7 +123,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         max_tokens = max(1, state.client.info.max_req_len - len(prompt))
     params = validated(body.sampling_params(max_tokens, body.engine_top_logprobs()), state.client.info.vocab_size,
                        {**_API_NAMES, "max_new_tokens": name, "logprobs": "top_logprobs"})
-    gen = Generation(state.client, tokenizer, *_expand([prompt], params, body.n), prompt_param="messages")
+    gen = Generation(state.client, tokenizer, *expand_choices([prompt], params, body.n), prompt_param="messages")
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": gen.created,
             "model": state.served_model_name}
 
@@ -152,7 +140,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     def events() -> AsyncIterator[bytes]:
         first = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for c in gen.choices]
-        return _events(gen, head, chunk_choice, body.include_usage(), body.n, first)
+        return sse_stream(_events(gen, head, chunk_choice, body.include_usage(), body.n, first))
 
     def final(c: Choice) -> dict[str, Any]:
         lps = c.logprobs if c.params.logprobs is not None else None

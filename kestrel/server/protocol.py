@@ -169,10 +169,15 @@ def native_sampling_params(raw: dict[str, Any] | None, logprobs: int | None) -> 
     return SamplingParams(**raw), n
 
 
-def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """n copies for n choices. Choice 0 keeps the seed, so n=1 and n>1 agree on it; the others get
-    seeds derived from (seed, index). Without a seed the engine draws one per request."""
+def expand_choices(prompts: list[list[int]], params: SamplingParams,
+                   n: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """n choices per prompt, prompt-major (choice index = prompt index * n + j), as OpenAI orders them.
+
+    Choice 0 of a prompt keeps the seed, so n=1 and n>1 agree on it; the others get seeds derived
+    from (seed, index). Without a seed the engine draws one per request."""
     if params.seed is None:
-        return [params] * n
-    return [params] + [dataclasses.replace(params, seed=random.Random(f"{params.seed}:{i}").getrandbits(63))
-                       for i in range(1, n)]
+        per_prompt = [params] * n
+    else:
+        per_prompt = [params] + [dataclasses.replace(params, seed=random.Random(f"{params.seed}:{i}").getrandbits(63))
+                                 for i in range(1, n)]
+    return [ids for ids in prompts for _ in range(n)], per_prompt * len(prompts)

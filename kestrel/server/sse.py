@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from kestrel.server.errors import APIError
+
 T = TypeVar("T")
 
 
@@ -22,6 +24,17 @@ def sse_event(payload: Any) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def sse_stream(payloads: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    """One event per payload, then [DONE]; an APIError raised mid-stream (the engine died) is sent as
+    its error body before the stream ends."""
+    try:
+        async for payload in payloads:
+            yield sse_event(payload)
+    except APIError as e:
+        yield sse_event(e.body())
+    yield SSE_DONE
 
 
 class ClientGone(Exception):
