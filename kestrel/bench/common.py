@@ -24,6 +24,14 @@ def random_prompts(lengths: list[int], vocab_size: int, rng: random.Random) -> l
     return [[rng.randrange(100, vocab_size) for _ in range(n)] for n in lengths]
 
 
+def workload(n: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
+             rng: random.Random) -> tuple[list[list[int]], list[int]]:
+    """n random-token prompts and their output lengths, drawn in that order from rng."""
+    in_lens = random_lengths(n, input_len, range_ratio, rng)
+    out_lens = random_lengths(n, output_len, range_ratio, rng)
+    return random_prompts(in_lens, vocab_size, rng), out_lens
+
+
 def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float | None:
     """Measured device-to-device copy bandwidth in bytes/s (read + written), median of 10; None on CPU."""
     if device.type != "cuda":

@@ -14,16 +14,9 @@ import random
 
 import torch
 
-from kestrel.bench.common import StepRecorder, now, random_lengths, random_prompts, report
+from kestrel.bench.common import StepRecorder, now, report, workload
 from kestrel.cli import add_engine_flags, config_from_args
 from kestrel.core.sampling_params import SamplingParams
-
-
-def workload(n: int, input_len: int, output_len: int, range_ratio: float, vocab: int, seed: int):
-    rng = random.Random(seed)
-    in_lens = random_lengths(n, input_len, range_ratio, rng)
-    out_lens = random_lengths(n, output_len, range_ratio, rng)
-    return random_prompts(in_lens, vocab, rng), out_lens
 
 
 def run_kestrel(engine, prompts: list[list[int]], out_lens: list[int]) -> dict:
@@ -82,8 +75,9 @@ def main(argv: list[str] | None = None) -> None:
 
     engine = Engine(config=config_from_args(args))
     prompts, out_lens = workload(args.num_prompts, args.random_input_len, args.random_output_len,
-                                 args.random_range_ratio, engine.vocab_size, args.seed)
-    warm_prompts, warm_lens = workload(min(8, args.num_prompts), 64, 8, 1.0, engine.vocab_size, args.seed + 1)
+                                 args.random_range_ratio, engine.vocab_size, random.Random(args.seed))
+    warm_prompts, warm_lens = workload(min(8, args.num_prompts), 64, 8, 1.0, engine.vocab_size,
+                                      random.Random(args.seed + 1))
     run_kestrel(engine, warm_prompts, warm_lens)
     recorder = StepRecorder(engine)
     result = {"workload": vars(args) | {"model": engine.config.model.model},

@@ -15,7 +15,7 @@ import json
 import random
 import time
 
-from kestrel.bench.common import median, percentile, random_lengths, random_prompts, report
+from kestrel.bench.common import median, percentile, report, workload
 
 
 async def one_request(client, url: str, prompt: list[int], output_len: int, headers: dict) -> dict:
@@ -48,9 +48,9 @@ async def run(args: argparse.Namespace) -> dict:
     import httpx
 
     rng = random.Random(args.seed)
-    in_lens = random_lengths(args.num_prompts, args.random_input_len, args.random_range_ratio, rng)
-    out_lens = random_lengths(args.num_prompts, args.random_output_len, args.random_range_ratio, rng)
-    prompts = random_prompts(in_lens, args.vocab_size, rng)
+    prompts, out_lens = workload(args.num_prompts, args.random_input_len, args.random_output_len,
+                                 args.random_range_ratio, args.vocab_size, rng)
+    in_tokens = sum(map(len, prompts))
     url = args.base_url.rstrip("/") + "/generate"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limit = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
@@ -79,11 +79,11 @@ async def run(args: argparse.Namespace) -> dict:
     return {
         "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
         "elapsed_s": elapsed, "output_tok_per_s": out_tokens / elapsed,
-        "total_tok_per_s": (out_tokens + sum(in_lens)) / elapsed, "request_per_s": args.num_prompts / elapsed,
+        "total_tok_per_s": (out_tokens + in_tokens) / elapsed, "request_per_s": args.num_prompts / elapsed,
         "ttft_median_ms": median(ttft) * ms, "ttft_p99_ms": percentile(ttft, 99) * ms,
         "itl_median_ms": median(itl) * ms, "itl_p99_ms": percentile(itl, 99) * ms,
         "e2e_median_ms": median(e2e) * ms, "e2e_p99_ms": percentile(e2e, 99) * ms,
-        "input_tokens": sum(in_lens), "output_tokens": out_tokens,
+        "input_tokens": in_tokens, "output_tokens": out_tokens,
     }
 
 
