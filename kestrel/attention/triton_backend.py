@@ -29,7 +29,9 @@ class TritonBackend:
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.forward_mode is ForwardMode.DECODE:
             # Split each sequence so that about 128 programs run (the GPU has 132 SMs). Derived from the
-            # batch size alone, so a CUDA-graph replay and an eager step compute exactly the same sums.
+            # batch size alone (never from lengths), so a captured graph stays valid for every replay; a
+            # replay uses its padded bucket's split count, which may differ from an eager step's, so the
+            # two agree to rounding, not bit for bit.
             kv_heads = self.kv_pool.k_buffers[0].shape[1]
             self._num_splits = max(1, min(16, 128 // (batch.batch_size * kv_heads)))
         else:
