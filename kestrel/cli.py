@@ -86,6 +86,20 @@ BENCHES = {"one-batch": "kestrel.bench.one_batch", "offline": "kestrel.bench.off
            "serving": "kestrel.bench.serving"}
 
 
+def configure_logging(level: str | None) -> None:
+    logging.basicConfig(level=getattr(logging, (level or "info").upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _run(command, *args) -> int:
+    """Run a command; bad options or a missing model end with a one-line error and exit code 2."""
+    try:
+        return command(*args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kestrel: error: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
@@ -94,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         import importlib
 
-        importlib.import_module(BENCHES[argv[1]]).main(argv[2:])
-        return 0
+        return _run(lambda: importlib.import_module(BENCHES[argv[1]]).main(argv[2:]) or 0)
     parser = argparse.ArgumentParser(prog="kestrel", description="a compact LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt, offline")
@@ -113,13 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     explain = sub.add_parser("explain", help="print the resolved attention plan without loading weights")
     add_engine_flags(explain)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, (args.log_level or "info").upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return {"generate": _generate, "serve": _serve, "explain": _explain}[args.command](args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"kestrel: error: {e}", file=sys.stderr)
-        return 2
+    configure_logging(args.log_level)
+    return _run({"generate": _generate, "serve": _serve, "explain": _explain}[args.command], args)
 
 
 if __name__ == "__main__":

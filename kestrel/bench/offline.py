@@ -15,7 +15,7 @@ import random
 import torch
 
 from kestrel.bench.common import StepRecorder, now, report, workload
-from kestrel.cli import add_engine_flags, config_from_args
+from kestrel.cli import add_engine_flags, config_from_args, configure_logging
 from kestrel.core.sampling_params import SamplingParams
 
 
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--transformers-prompts", type=int, default=256)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    configure_logging(args.log_level)
     from kestrel.engine.engine import Engine
 
     engine = Engine(config=config_from_args(args))

@@ -12,7 +12,7 @@ import time
 import torch
 
 from kestrel.bench.common import copy_bandwidth, median, now, random_prompts, report, weight_bytes
-from kestrel.cli import add_engine_flags, config_from_args
+from kestrel.cli import add_engine_flags, config_from_args, configure_logging
 from kestrel.core.sampling_params import SamplingParams
 
 
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
+    configure_logging(args.log_level)
     from kestrel.engine.engine import Engine
 
     engine = Engine(config=config_from_args(args))
