@@ -53,8 +53,6 @@ class EngineLoop:
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
-        self.prompt_tokens = 0  # of admitted requests, for the cache hit rate
-        self.cached_tokens = 0
         self.last_stats = 0.0
         self.stats_sent_idle = False
 
@@ -127,9 +125,6 @@ class EngineLoop:
         return added
 
     def _delta(self, req: Request, start: int) -> TokenDelta:
-        if req.finished and req.admitted:
-            self.prompt_tokens += len(req.prompt_ids)
-            self.cached_tokens += req.cached_tokens
         asked = req.params.logprobs is not None
         return TokenDelta(
             rid=req.rid, token_ids=req.output_ids[start:],
@@ -146,6 +141,5 @@ class EngineLoop:
             num_running=len(sched.running) + (sched.chunked is not None), num_waiting=len(sched.waiting),
             num_used_tokens=alloc.size - free, num_evictable_tokens=radix.evictable_size(),
             max_total_tokens=alloc.size,
-            cache_hit_rate=self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             num_retractions=sched.num_retractions))
         self.last_stats = time.monotonic()

@@ -87,7 +87,6 @@ class EngineStats:
     num_used_tokens: int = 0  # KV slots held by live requests (cached, unlocked prefixes count as free)
     num_evictable_tokens: int = 0  # KV slots holding unlocked radix-cache prefixes
     max_total_tokens: int = 0
-    cache_hit_rate: float = 0.0  # cached / total prompt tokens of every admitted request since start
     num_retractions: int = 0
 
     @property

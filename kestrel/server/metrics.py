@@ -42,7 +42,8 @@ class ServerMetrics:
         self.token_usage = gauge("token_usage", "Share of the KV pool held by live requests (0..1)")
         self.num_used_tokens = gauge("num_used_tokens", "KV pool slots held by live requests")
         self.cache_hit_rate = gauge("cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens, "
-                                                      "over all admitted requests since start (0..1)")
+                                                      "over all requests that started generating (0..1)")
+        self._prompt_sum = self._cached_sum = 0  # the two counters' values, for the gauge
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating")
         self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
@@ -58,11 +59,13 @@ class ServerMetrics:
         self.num_waiting.set(stats.num_waiting)
         self.token_usage.set(stats.token_usage)
         self.num_used_tokens.set(stats.num_used_tokens)
-        self.cache_hit_rate.set(stats.cache_hit_rate)
 
     def on_first_tokens(self, prompt_tokens: int, cached_tokens: int, ttft: float) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_tokens.inc(cached_tokens)
+        self._prompt_sum += prompt_tokens
+        self._cached_sum += cached_tokens
+        self.cache_hit_rate.set(self._cached_sum / self._prompt_sum if self._prompt_sum else 0.0)
         self.ttft.observe(ttft)
 
     def on_tokens(self, n: int, since_previous: float | None) -> None:
