@@ -34,7 +34,7 @@ for stage in $stages; do
         --batch-size 1 --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 64 \
         --disable-overlap-schedule --json "$OUT/one_batch_bs1_sync.json" 2>&1 | grep -v "^\s*$" | tail -11 ;;
     profile)
-      for bs in 1 64; do
+      for bs in ${PROFILE_BS:-1 64}; do
         timeout 150 python3 scripts/profile_decode.py --batch-size $bs --steps 5 2>&1 | grep -v "Warn\|warn" \
           | cut -c1-150 | tee -a "$OUT/profile.log"
       done ;;
