@@ -22,7 +22,6 @@ class ModelConfig:
     dtype: str = "auto"
     load_format: str = "auto"
     context_length: int | None = None  # defaults to the checkpoint's max_position_embeddings
-    disable_triton_gemv: bool = False  # batch-1 linear layers on CUDA use torch's GEMM, not the Triton GEMV
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,6 @@ for stage in $stages; do
       timeout 120 python3 -m kestrel.bench.one_batch --model kestrel/assets/configs/llama-3.1-8b --load-format dummy \
         --batch-size 1 --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 64 \
         --json "$OUT/one_batch_bs1.json" 2>&1 | grep -v "^\s*$" | tail -11 ;;
-    bench1_cublas)  # bs=1 with torch's GEMM instead of the Triton GEMV, for the comparison
-      timeout 120 python3 -m kestrel.bench.one_batch --model kestrel/assets/configs/llama-3.1-8b --load-format dummy \
-        --batch-size 1 --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 64 \
-        --disable-triton-gemv --json "$OUT/one_batch_bs1_cublas.json" 2>&1 | grep -v "^\s*$" | tail -11 ;;
-    gemv)  # batch-1 linear layers: cuBLAS against the Triton GEMV's block sizes
-      timeout 200 python3 scripts/bench_gemv.py --json "$OUT/gemv.json" 2>&1 | tail -12 ;;
     bench_sync)  # the same decode without overlap scheduling, to see what the overlap hides
       timeout 200 python3 -m kestrel.bench.one_batch --model kestrel/assets/configs/llama-3.1-8b --load-format dummy \
         --batch-size 1 --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 64 \

@@ -25,10 +25,6 @@ class TritonBackend:
         self._q_starts: torch.Tensor | None = None
         self._max_extend = 0
         self._num_splits = 1
-        # The decode kernel's merge tickets, one per (request, KV head); the kernel leaves them zero.
-        kv_heads = kv_pool.k_buffers[0].shape[1]
-        self._tickets = torch.zeros(req_to_token.table.shape[0] * kv_heads, dtype=torch.int32,
-                                    device=req_to_token.table.device)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.forward_mode is ForwardMode.DECODE:
@@ -52,7 +48,7 @@ class TritonBackend:
         table = self.req_to_token.table
         if batch.forward_mode is ForwardMode.DECODE:
             decode_attention(q, k_buf, v_buf, out, table, batch.req_pool_indices, batch.seq_lens,
-                             layer.scaling, layer.sliding_window, self.upcast, self._num_splits, self._tickets)
+                             layer.scaling, layer.sliding_window, self.upcast, self._num_splits)
         else:
             extend_attention(q, k_buf, v_buf, out, table, batch.req_pool_indices, batch.prefix_lens,
                              batch.extend_lens, self._q_starts, self._max_extend, layer.scaling,

@@ -7,9 +7,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Kernels:
     """`triton_rope`: rope as a Triton kernel (attention.decisions.shared_triton_kernel decides: it runs in
-    both phases). `triton_elementwise`: fused add+RMSNorm and SiLU-and-mul Triton kernels (CUDA only).
-    `triton_gemv`: one-row linear layers as Triton GEMVs (CUDA only; kestrel.layers.gemv_triton)."""
+    both phases). `triton_elementwise`: fused add+RMSNorm and SiLU-and-mul Triton kernels (CUDA only)."""
 
     triton_rope: bool = False
     triton_elementwise: bool = False
-    triton_gemv: bool = False

@@ -13,20 +13,20 @@ from kestrel.core.forward_batch import ForwardBatch
 from kestrel.layers.activation import SiluAndMul
 from kestrel.layers.attention import AttentionLayer
 from kestrel.layers.kernels import Kernels
-from kestrel.layers.linear import Linear, MergedLinear
+from kestrel.layers.linear import MergedLinear
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import RotaryEmbedding
 from kestrel.models.arch_config import ArchConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer_id: int, rotary: RotaryEmbedding, kernels: Kernels) -> None:
+    def __init__(self, cfg: ArchConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
-                                     bias=cfg.qkv_bias, use_gemv=kernels.triton_gemv)
+                                     bias=cfg.qkv_bias)
         self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
-        self.o_proj = Linear(heads * head_dim, cfg.hidden_size, bias=cfg.o_proj_bias, use_gemv=kernels.triton_gemv)
+        self.o_proj = nn.Linear(heads * head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
@@ -51,22 +51,18 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ArchConfig, kernels: Kernels) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias,
-                                         use_gemv=kernels.triton_gemv)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, use_gemv=kernels.triton_gemv)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act_fn = SiluAndMul(use_triton=kernels.triton_elementwise)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj
-        if gate_up.gemv is not None and x.shape[0] == 1:  # one row: the GEMV applies the activation too
-            return self.down_proj(gate_up.gemv(x, gate_up.weight, gate_up.bias, silu_mul=True))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, layer_id: int, rotary: RotaryEmbedding, kernels: Kernels) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id, rotary, kernels)
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
         self.mlp = LlamaMLP(cfg, kernels)
         fused = kernels.triton_elementwise
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton=fused)
@@ -116,17 +112,10 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, kernels)
         # Tied checkpoints reuse the embedding; no separate lm_head parameter is created.
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.gemv = None
-        if kernels.triton_gemv:
-            from kestrel.layers.gemv_triton import gemv
-
-            self.gemv = gemv
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.model(input_ids, positions, batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.gemv is not None and hidden.shape[0] == 1:
-            return self.gemv(hidden, weight, out_dtype=torch.float32)
         return F.linear(hidden, weight).float()

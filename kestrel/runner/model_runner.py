@@ -36,8 +36,7 @@ class ModelRunner:
         self.dtype = getattr(torch, config.model.dtype)
         on_cuda_with_triton = self.device.type == "cuda" and triton_installed()
         kernels = Kernels(triton_rope=on_cuda_with_triton and shared_triton_kernel(config),
-                          triton_elementwise=on_cuda_with_triton,
-                          triton_gemv=on_cuda_with_triton and not config.model.disable_triton_gemv)
+                          triton_elementwise=on_cuda_with_triton)
         self.model = load_model(config.model.model, self.dtype, self.device, kernels, config.model.load_format)
         arch = self.model.config
         self.vocab_size = arch.vocab_size

@@ -42,35 +42,11 @@ def test_decode_bf16_real_shapes(heads, kv_heads, head_dim, num_splits):
     k_buf = torch.randn(sum(seq) + 100, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
     v_buf = torch.randn_like(k_buf)
     q = torch.randn(len(seq), heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    decode_attention(q, k_buf, v_buf, out, table, rows, torch.tensor(seq, device="cuda"), 1 / math.sqrt(head_dim),
+                     None, False, num_splits)
     ref = reference(q, k_buf, v_buf, table, rows, [s - 1 for s in seq], [1] * len(seq), 1 / math.sqrt(head_dim), None)
-    # Many launches through one ticket buffer: the atomic-ticket merge must see every split's partial
-    # every time (a lost one would show as a wrong or NaN row), and leave the tickets zero.
-    tickets = torch.zeros(len(seq) * kv_heads, dtype=torch.int32, device="cuda")
-    outs = []
-    for _ in range(20):
-        out = torch.full_like(q, float("nan"))
-        decode_attention(q, k_buf, v_buf, out, table, rows, torch.tensor(seq, device="cuda"),
-                         1 / math.sqrt(head_dim), None, False, num_splits, tickets)
-        outs.append(out)
-    torch.testing.assert_close(outs[0].double(), ref, atol=2e-2, rtol=2e-2)
-    assert all(torch.equal(o, outs[0]) for o in outs)
-    assert not tickets.any()
-
-
-@pytest.mark.parametrize("rows, cols, silu_mul", [(6144, 4096, False), (4096, 4096, False), (28672, 4096, True),
-                                                (4096, 14336, False), (128256, 4096, False)])
-def test_gemv_bf16_llama8b_shapes(rows, cols, silu_mul):
-    """The Triton GEMV at each batch-1 linear layer of Llama-8B (qkv, o, gate_up+SiLU, down, logits)."""
-    from kestrel.layers.gemv_triton import gemv
-    from kestrel.layers.activation import SiluAndMul
-
-    gen = torch.Generator(device="cuda").manual_seed(rows)
-    weight = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16, generator=gen) / cols ** 0.5
-    x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16, generator=gen)
-    ref = torch.nn.functional.linear(x, weight)
-    ref = SiluAndMul()(ref) if silu_mul else ref
-    # bf16 outputs: the two summation orders may round one ulp apart.
-    torch.testing.assert_close(gemv(x, weight, silu_mul=silu_mul), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_split_launches_identical_greedy_tokens_on_cuda(tmp_path):

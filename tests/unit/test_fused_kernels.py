@@ -33,39 +33,3 @@ def test_add_rmsnorm_equals_torch(dtype, hidden):
 def test_silu_and_mul_equals_torch(dtype):
     x = torch.randn(5, 2 * 1500, generator=torch.Generator().manual_seed(0)).to(DEVICE, dtype)
     torch.testing.assert_close(SiluAndMul(use_triton=True)(x), SiluAndMul()(x))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bias", [False, True])
-def test_gemv_equals_linear(dtype, bias):
-    """One-row Linear through the Triton GEMV == torch's GEMM; N and K not multiples of the blocks."""
-    from kestrel.layers.linear import Linear
-
-    gen = torch.Generator().manual_seed(1)
-    ref = torch.nn.Linear(700, 37, bias=bias)
-    fused = Linear(700, 37, bias=bias, use_gemv=True)
-    fused.load_state_dict(ref.state_dict())
-    ref, fused = ref.to(DEVICE, dtype), fused.to(DEVICE, dtype)
-    x = torch.randn(1, 700, generator=gen).to(DEVICE, dtype)
-    assert fused.gemv is not None
-    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {}  # another summation order
-    torch.testing.assert_close(fused(x), ref(x), **tol)
-    batch = torch.randn(3, 700, generator=gen).to(DEVICE, dtype)  # more rows: torch's GEMM
-    torch.testing.assert_close(fused(batch), ref(batch))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gemv_silu_mul_and_float_logits(dtype):
-    from kestrel.layers.gemv_triton import gemv
-
-    gen = torch.Generator().manual_seed(2)
-    weight = torch.randn(2 * 300, 260, generator=gen).to(DEVICE, dtype)
-    bias = torch.randn(2 * 300, generator=gen).to(DEVICE, dtype)
-    x = torch.randn(1, 260, generator=gen).to(DEVICE, dtype)
-    # The GEMV sums in another order than torch's GEMM: float32 results agree to rounding.
-    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {}
-    fused = gemv(x, weight, bias, silu_mul=True, block_k=128)
-    torch.testing.assert_close(fused, SiluAndMul()(torch.nn.functional.linear(x, weight, bias)), **tol)
-    logits = gemv(x, weight, out_dtype=torch.float32)
-    assert logits.dtype == torch.float32
-    torch.testing.assert_close(logits, torch.nn.functional.linear(x, weight).float(), **tol)

@@ -83,14 +83,10 @@ def test_decode_matches_reference(group, head_dim, dtype, window, num_splits):
     k_buf = torch.randn(300, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
     v_buf = torch.randn(300, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
     q = torch.randn(len(seq), kv_heads * group, head_dim, generator=gen).to(DEVICE, dtype)
+    out = torch.empty_like(q)
+    decode_attention(q, k_buf, v_buf, out, table, rows, torch.tensor(seq, device=DEVICE), 1 / math.sqrt(head_dim),
+                     window, UPCAST, num_splits, block_n=16)
     ref = reference(q, k_buf, v_buf, table, rows, [s - 1 for s in seq], [1] * len(seq), 1 / math.sqrt(head_dim),
                     window)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    # Twice through one ticket buffer, as the layers of a step share it: the merge must leave it zero.
-    tickets = torch.zeros(len(seq) * kv_heads, dtype=torch.int32, device=DEVICE)
-    for _ in range(2):
-        out = torch.full_like(q, float("nan"))
-        decode_attention(q, k_buf, v_buf, out, table, rows, torch.tensor(seq, device=DEVICE),
-                         1 / math.sqrt(head_dim), window, UPCAST, num_splits, tickets, block_n=16)
-        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
-        assert not tickets.any()
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)

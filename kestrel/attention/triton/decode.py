@@ -1,10 +1,8 @@
 """Paged decode attention, split-K: one new token per request attends to its whole KV row.
 
-Each request's keys are split into `num_splits` chunks; one program handles every query head of a
-KV head (GQA) on one chunk and writes a partial output and its log-sum-exp. The last program of a
-(request, KV head) to finish, found with an atomic ticket, merges the partials: one launch per
-layer instead of two, which counts at batch 1 where the launches, not the bytes, take the time.
-Splitting keeps the GPU busy when the batch is small and the sequences long.
+Stage 1 splits each request's keys into `num_splits` chunks; one program handles every query head
+of a KV head (GQA) on one chunk and writes a partial output and its log-sum-exp. Stage 2 merges the
+chunks. Splitting keeps the GPU busy when the batch is small and the sequences long.
 """
 from __future__ import annotations
 
@@ -16,13 +14,13 @@ from kestrel.attention.triton.common import attend_block
 
 
 @triton.jit
-def _decode_kernel(
-    Q, K, V, O, mid_o, mid_lse, tickets, req_to_token, req_pool_indices, seq_lens,
+def _decode_partial_kernel(
+    Q, K, V, O, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_row,
-    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, sm_scale, window, num_splits, num_kv_heads,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, sm_scale, window, num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -55,44 +53,42 @@ def _decode_kernel(
                                      stride_vt, stride_vh, offs_n, n_mask, n_mask[None, :], offs_d, d_mask, m_i, l_i,
                                      acc, sm_scale, UPCAST, PRECISION)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    if DIRECT:  # a single split is the whole answer: nothing to merge
+    if DIRECT:  # a single split is the whole answer: no second stage
         tl.store(O + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
                  mask=h_mask[:, None] & d_mask[None, :])
     else:
-        # An empty chunk (short sequence, or outside the window) gets lse = -inf and weight 0 in the merge.
+        # An empty chunk (short sequence, or outside the window) gets lse = -inf and weight 0 in stage 2.
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_i))
         o_base = b * stride_mb + heads * stride_mh + split * stride_ms
         tl.store(mid_o + o_base[:, None] + offs_d[None, :], out, mask=h_mask[:, None] & d_mask[None, :])
         tl.store(mid_lse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
-        # Every thread's stores come before the ticket (the barrier), and the ticket releases them to
-        # the program that draws the last one; it acquires them, merges, and resets the ticket for the
-        # next launch (the next layer, or the next graph replay).
-        tl.debug_barrier()
-        ticket_ptr = tickets + b * num_kv_heads + kv_head
-        if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == num_splits - 1:
-            tl.store(ticket_ptr, 0)
-            offs_s = tl.arange(0, BLOCK_S)
-            s_mask = offs_s < num_splits
-            for g in range(GROUP):
-                head = kv_head * GROUP + g
-                lse_s = tl.load(mid_lse + b * stride_lb + head * stride_lh + offs_s, mask=s_mask,
-                                other=float("-inf"), cache_modifier=".cg")
-                m = tl.max(lse_s, 0)
-                w = tl.exp(lse_s - tl.where(m == float("-inf"), 0.0, m))
-                parts = tl.load(mid_o + b * stride_mb + head * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
-                                mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-                merged = tl.sum(parts * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
-                tl.store(O + b * stride_ot + head * stride_oh + offs_d, merged.to(O.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    mid_o, mid_lse, O, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ot, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(mid_lse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m))
+    parts = tl.load(mid_o + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(O + b * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                      sm_scale: float, sliding_window: int | None, upcast: bool, num_splits: int,
-                     tickets: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
-                     num_stages: int = 3) -> None:
-    """q/out: [B, num_heads, head_dim] (one token per request); k_buf/v_buf: [slots, num_kv_heads, head_dim].
-    `tickets`: int32 zeros, at least B x num_kv_heads, left zero after the call (a caller that launches
-    often keeps one buffer; None allocates it)."""
+                     block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> None:
+    """q/out: [B, num_heads, head_dim] (one token per request); k_buf/v_buf: [slots, num_kv_heads, head_dim]."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
@@ -101,17 +97,21 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     mid_shape = (1, 1, 1) if direct else (batch, num_heads, num_splits)
     mid_o = torch.empty((*mid_shape, block_d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(mid_shape, dtype=torch.float32, device=q.device)
-    if tickets is None:
-        tickets = torch.zeros(1 if direct else batch * num_kv_heads, dtype=torch.int32, device=q.device)
-    assert direct or tickets.numel() >= batch * num_kv_heads, "one ticket per (request, KV head)"
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_buf, v_buf, out, mid_o, mid_lse, tickets, req_to_token, req_pool_indices, seq_lens,
+    _decode_partial_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_buf, v_buf, out, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-        mid_lse.stride(1), sm_scale, sliding_window or 0, num_splits, num_kv_heads,
+        mid_lse.stride(1), sm_scale, sliding_window or 0, num_splits,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=block_n, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), USE_WINDOW=sliding_window is not None, UPCAST=upcast,
+        BLOCK_N=block_n, USE_WINDOW=sliding_window is not None, UPCAST=upcast,
         # float32 stays float32 (TF32 would drift from the reference); half types use tensor cores.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct,
         num_warps=num_warps, num_stages=num_stages,
+    )
+    if direct:
+        return
+    _decode_merge_kernel[(batch, num_heads)](
+        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+        mid_lse.stride(1), out.stride(0), out.stride(1),
+        num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
     )
