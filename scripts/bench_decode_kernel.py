@@ -31,12 +31,14 @@ def main() -> None:
     seq = torch.full((b,), ctx, device="cuda")
     q = torch.randn(b, args.heads, d, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
+    new_slots = table[:, -1].contiguous()  # the kernel stores the new tokens' K/V there, as in the engine
+    k_new, v_new = k_buf[new_slots].flatten(1), v_buf[new_slots].flatten(1)
     kv_bytes = 2 * b * ctx * args.kv_heads * d * 2
     print(f"batch {b} context {ctx} splits {args.splits}: KV {kv_bytes / 2**30:.2f} GiB per call")
     for block_n, warps, stages in itertools.product([32, 64, 128], [4, 8], [2, 3]):
         def call():
-            decode_attention(q, k_buf, v_buf, out, table, rows, seq, 1 / math.sqrt(d), None, False, args.splits,
-                             block_n=block_n, num_warps=warps, num_stages=stages)
+            decode_attention(q, k_new, v_new, k_buf, v_buf, out, table, rows, seq, new_slots, 1 / math.sqrt(d),
+                             None, False, args.splits, block_n=block_n, num_warps=warps, num_stages=stages)
         try:
             ms = triton.testing.do_bench(call, warmup=5, rep=30)
         except Exception as e:  # a configuration that does not fit (shared memory) is skipped

@@ -42,14 +42,15 @@ class TritonBackend:
                 batch: ForwardBatch) -> torch.Tensor:
         k_buf = self.kv_pool.k_buffers[layer.layer_id]
         v_buf = self.kv_pool.v_buffers[layer.layer_id]
-        store_kv(k, v, k_buf, v_buf, batch.out_cache_loc)
         q = q.reshape(-1, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
         table = self.req_to_token.table
-        if batch.forward_mode is ForwardMode.DECODE:
-            decode_attention(q, k_buf, v_buf, out, table, batch.req_pool_indices, batch.seq_lens,
-                             layer.scaling, layer.sliding_window, self.upcast, self._num_splits)
+        if batch.forward_mode is ForwardMode.DECODE:  # the decode kernel stores the new K/V itself
+            decode_attention(q, k, v, k_buf, v_buf, out, table, batch.req_pool_indices, batch.seq_lens,
+                             batch.out_cache_loc, layer.scaling, layer.sliding_window, self.upcast,
+                             self._num_splits)
         else:
+            store_kv(k, v, k_buf, v_buf, batch.out_cache_loc)
             extend_attention(q, k_buf, v_buf, out, table, batch.req_pool_indices, batch.prefix_lens,
                              batch.extend_lens, self._q_starts, self._max_extend, layer.scaling,
                              layer.sliding_window, self.upcast)

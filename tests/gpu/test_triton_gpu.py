@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from kestrel import Engine, SamplingParams
-from kestrel.attention.triton.decode import decode_attention
 from kestrel.attention.triton.extend import extend_attention
 from tests.e2e.test_engine import prompts_with_shared_prefixes
 from tests.tiny_models import make_tiny_model
-from tests.unit.test_triton_kernels import paged_layout, reference
+from tests.unit.test_triton_kernels import paged_layout, reference, run_decode
 
 SHAPES = [(32, 8, 128), (28, 4, 128), (16, 16, 64)]  # (heads, kv heads, head_dim): Llama-8B, Qwen2-7B, small
 
@@ -42,10 +41,8 @@ def test_decode_bf16_real_shapes(heads, kv_heads, head_dim, num_splits):
     k_buf = torch.randn(sum(seq) + 100, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
     v_buf = torch.randn_like(k_buf)
     q = torch.randn(len(seq), heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty_like(q)
-    decode_attention(q, k_buf, v_buf, out, table, rows, torch.tensor(seq, device="cuda"), 1 / math.sqrt(head_dim),
-                     None, False, num_splits)
     ref = reference(q, k_buf, v_buf, table, rows, [s - 1 for s in seq], [1] * len(seq), 1 / math.sqrt(head_dim), None)
+    out = run_decode(q, k_buf, v_buf, table, rows, seq, 1 / math.sqrt(head_dim), None, False, num_splits)
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
 
 

@@ -26,6 +26,19 @@ def paged_layout(seq_lens: list[int], slots_total: int, gen: torch.Generator):
     return table.to(DEVICE), rows.to(DEVICE)
 
 
+def run_decode(q, k_buf, v_buf, table, rows, seq, scale, window, upcast, num_splits, **kwargs):
+    """decode_attention with the new tokens' K/V taken out of the pool (NaN left there) and passed in,
+    as the backend calls it; checks that the kernel put them back."""
+    new_slots = table[rows, torch.tensor(seq, device=table.device) - 1]
+    k_new, v_new = k_buf[new_slots].flatten(1).clone(), v_buf[new_slots].flatten(1).clone()
+    k_buf[new_slots], v_buf[new_slots] = float("nan"), float("nan")
+    out = torch.empty_like(q)
+    decode_attention(q, k_new, v_new, k_buf, v_buf, out, table, rows, torch.tensor(seq, device=table.device),
+                     new_slots, scale, window, upcast, num_splits, **kwargs)
+    assert torch.equal(k_buf[new_slots].flatten(1), k_new) and torch.equal(v_buf[new_slots].flatten(1), v_new)
+    return out
+
+
 def reference(q, k_buf, v_buf, table, rows, prefix, extend, scale, window):
     outs = []
     start = 0
@@ -83,10 +96,9 @@ def test_decode_matches_reference(group, head_dim, dtype, window, num_splits):
     k_buf = torch.randn(300, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
     v_buf = torch.randn(300, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
     q = torch.randn(len(seq), kv_heads * group, head_dim, generator=gen).to(DEVICE, dtype)
-    out = torch.empty_like(q)
-    decode_attention(q, k_buf, v_buf, out, table, rows, torch.tensor(seq, device=DEVICE), 1 / math.sqrt(head_dim),
-                     window, UPCAST, num_splits, block_n=16)
     ref = reference(q, k_buf, v_buf, table, rows, [s - 1 for s in seq], [1] * len(seq), 1 / math.sqrt(head_dim),
                     window)
+    out = run_decode(q, k_buf, v_buf, table, rows, seq, 1 / math.sqrt(head_dim), window, UPCAST, num_splits,
+                     block_n=16)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)

@@ -3,6 +3,10 @@
 Stage 1 splits each request's keys into `num_splits` chunks; one program handles every query head
 of a KV head (GQA) on one chunk and writes a partial output and its log-sum-exp. Stage 2 merges the
 chunks. Splitting keeps the GPU busy when the batch is small and the sequences long.
+
+Stage 1 also writes the new token's K and V into the pool: the program whose chunk holds the last
+position stores them before reading its chunk, so no separate store kernel runs (a launch per layer
+saved, which is what counts at batch 1).
 """
 from __future__ import annotations
 
@@ -15,8 +19,8 @@ from kestrel.attention.triton.common import attend_block
 
 @triton.jit
 def _decode_partial_kernel(
-    Q, K, V, O, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_row,
+    Q, K, V, O, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens, K_new, V_new, new_slots,
+    stride_knt, stride_vnt, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_row,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, sm_scale, window, num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -38,6 +42,13 @@ def _decode_partial_kernel(
     h_mask = offs_g < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
+    if (lo <= seq - 1) & (seq - 1 < hi):  # this chunk holds the new token: put its K/V in the pool first
+        slot = tl.load(new_slots + b)
+        k_new = tl.load(K_new + b * stride_knt + kv_head * HEAD_DIM + offs_d, mask=d_mask)
+        v_new = tl.load(V_new + b * stride_vnt + kv_head * HEAD_DIM + offs_d, mask=d_mask)
+        tl.store(K + slot * stride_kt + kv_head * stride_kh + offs_d, k_new.to(K.dtype.element_ty), mask=d_mask)
+        tl.store(V + slot * stride_vt + kv_head * stride_vh + offs_d, v_new.to(V.dtype.element_ty), mask=d_mask)
+        tl.debug_barrier()  # every thread of the program sees the stores before the loads below
     q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:  # the interpreter computes bf16 wrong: work in float32 there
@@ -84,11 +95,14 @@ def _decode_merge_kernel(
     tl.store(O + b * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
 
 
-def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor,
-                     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                     sm_scale: float, sliding_window: int | None, upcast: bool, num_splits: int,
-                     block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> None:
-    """q/out: [B, num_heads, head_dim] (one token per request); k_buf/v_buf: [slots, num_kv_heads, head_dim]."""
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                     out: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                     seq_lens: torch.Tensor, new_slots: torch.Tensor, sm_scale: float, sliding_window: int | None,
+                     upcast: bool, num_splits: int, block_n: int = 64, num_warps: int = 4,
+                     num_stages: int = 3) -> None:
+    """q/out: [B, num_heads, head_dim] (one token per request); k/v: [B, num_kv_heads * head_dim], the new
+    tokens' K/V (rows may be strided views), stored at `new_slots` [B] (their req_to_token entries at
+    position seq_len - 1); k_buf/v_buf: [slots, num_kv_heads, head_dim]."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
@@ -98,8 +112,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     mid_o = torch.empty((*mid_shape, block_d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(mid_shape, dtype=torch.float32, device=q.device)
     _decode_partial_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_buf, v_buf, out, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        q, k_buf, v_buf, out, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens, k, v, new_slots,
+        k.stride(0), v.stride(0), q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
         mid_lse.stride(1), sm_scale, sliding_window or 0, num_splits,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
