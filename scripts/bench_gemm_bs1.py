@@ -103,7 +103,10 @@ def main() -> None:
         row = values.argmax()
         return row * (VOCAB // 256) + idx[row]
 
-    for name, fn in (("argmax", lambda: logits.argmax(-1)), ("two-stage max", two_stage)):
+    from kestrel.engine.argmax_triton import argmax_rows
+
+    for name, fn in (("argmax", lambda: logits.argmax(-1)), ("two-stage max", two_stage),
+                     ("triton argmax", lambda: argmax_rows(logits))):
         assert int(fn()) == int(logits.argmax())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -251,8 +251,21 @@ class PendingSample:
         return SamplerOutput(ids, logprobs, top_logprobs)
 
 
+def _torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
 class Sampler:
-    """Stateless: the same logits and SamplingBatch always give the same tokens."""
+    """Stateless: the same logits and SamplingBatch always give the same tokens.
+
+    `triton_argmax` (CUDA): row argmaxes through kestrel.engine.argmax_triton, faster at small batch."""
+
+    def __init__(self, triton_argmax: bool = False) -> None:
+        self._argmax = _torch_argmax
+        if triton_argmax:  # imported only here: triton is optional
+            from kestrel.engine.argmax_triton import argmax_rows
+
+            self._argmax = argmax_rows
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         return self.sample(logits, batch).result()
@@ -268,7 +281,7 @@ class Sampler:
             logits = batch.penalties.apply(logits)
         if batch.blocked is not None:
             logits = logits.index_put(batch.blocked, logits.new_full((), float("-inf")))
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = self._argmax(logits)
         token_ids = greedy_ids
         if not batch.all_greedy:
             token_ids = torch.where(batch.greedy, greedy_ids, self._sample(logits, batch))
@@ -282,7 +295,7 @@ class Sampler:
         # Exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability
         # p_i / sum(p), so the filtered probs need no renormalization.
         u = uniform_noise(batch.seed_lo, batch.seed_hi, batch.positions, logits.shape[-1])
-        return (probs / -torch.log(u)).argmax(dim=-1)
+        return self._argmax(probs / -torch.log(u))
 
     @staticmethod
     def _keep_mask(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:

@@ -194,3 +194,19 @@ def test_logprobs_are_before_temperature_but_after_blocking():
     assert out.token_ids[0] != EOS
     assert out.logprobs[0] == pytest.approx(ref[out.token_ids[0]].item(), abs=1e-5)
     assert [t for t, _ in out.top_logprobs[0]] == [2, 1]
+
+
+def test_triton_argmax_sampler_gives_the_same_tokens():
+    """The Triton argmax (interpreter on CPU) picks what torch's does, ties and -inf rows included,
+    for greedy rows and for the sampled rows' exponential race."""
+    pytest.importorskip("triton")
+    from kestrel.engine.argmax_triton import argmax_rows
+
+    logits = random_logits(4, 9000, seed=5)
+    logits[1, 4100] = logits[1, 8200] = 100.0  # a tie across chunks
+    logits[2, 7] = logits[2, 8] = 100.0  # a tie inside a chunk
+    logits[3] = float("-inf")
+    assert argmax_rows(logits, block=1024).tolist() == logits.argmax(-1).tolist()
+    reqs = [req(i, temperature=0.0 if i % 2 else 0.9, top_k=50) for i in range(3)]
+    batch = SamplingBatch.from_requests(reqs, logits.shape[-1], {EOS}, "cpu")
+    assert Sampler(triton_argmax=True)(logits[:3], batch).token_ids == sampler(logits[:3], batch).token_ids
