@@ -41,8 +41,9 @@ class SchedulerConfig:
     # Overlap scheduling: schedule and launch step N+1 while step N runs on the device, so host work
     # hides behind the GPU. Outputs are the same either way; turn it off to debug.
     disable_overlap_schedule: bool = False
-    # Admission keeps room for the running requests' future tokens: (max_new_tokens - generated) times
-    # an estimated ratio that starts at 0.7 x this and decays as decoding goes well; 0 reserves nothing.
+    # Admission keeps room for the running requests' future tokens, scaled by this (0 reserves nothing):
+    # the exact peak for requests that must run to max_new_tokens (ignore_eos, no stop condition), and
+    # (max_new_tokens - generated) x a ratio that starts at 0.7 and decays for the others.
     schedule_conservativeness: float = 1.0
 
 

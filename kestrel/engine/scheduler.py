@@ -6,9 +6,12 @@ decodes ride along with the prefill chunks in one MIXED batch. KV slots for the 
 here, before the forward, and written into the request's `req_to_token` row (and its host copy,
 `req.slots`, so that freeing KV never reads the device).
 
-Admission estimates how many more tokens each running request will need (SGLang's "new token ratio":
-a fraction of its remaining max_new_tokens that starts high, decays with every decode step and is
-reset by a retraction), so that prefills do not fill the pool only to be retracted later.
+Admission keeps room for the tokens the admitted requests will still need, so that prefills do not
+fill the pool only to be retracted later. A request that ignores EOS and has no stop condition runs
+to max_new_tokens: its need is known, and so is the moment it frees its KV, so the room kept is the
+exact peak of those requests' occupancy. Other requests may stop any time: each counts a fraction of
+its remaining max_new_tokens (SGLang's "new token ratio"), which starts high, decays with every
+decode step and is re-estimated from the running requests at each retraction.
 
 After the forward is launched, `commit()` advances the requests as if their sampled tokens were known
 (those are `pending` until `resolve()` gets their values from the device). With overlap scheduling the
@@ -36,6 +39,9 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 CLIP_NEW_TOKENS = 4096
+# A retraction frees room for this many decode steps of the requests left, so that the next steps do
+# not retract one request each.
+RETRACT_HEADROOM_STEPS = 20
 
 
 @dataclass
@@ -132,13 +138,11 @@ class Scheduler:
     def _schedule_prefill(self) -> list[Request]:
         budget = self.config.chunked_prefill_size
         budget = float("inf") if budget == -1 else budget
-        page = self.allocator.page_size
         picked: list[Request] = []
         candidates = ([self.chunked] if self.chunked else []) + list(self.waiting)
         if not candidates:
             return picked
-        # Room kept for the running requests' future tokens (and each one's next decode page).
-        reserve = sum(self._expected_new_tokens(r) for r in self.running) + len(self.running) * page
+        running = self._reserve_terms(self.running)  # the same for every candidate
         for req in candidates:
             is_new = req is not self.chunked
             if is_new and (len(self.running) + len(picked) + (self.chunked is not None)
@@ -152,11 +156,11 @@ class Scheduler:
                 req.last_node, req.cached_len, req.kv_len = node, len(slots), len(slots)
             remaining = req.seq_len - req.kv_len
             take = int(min(remaining, budget))
-            need = self.allocator.tokens_needed(req.kv_len, take) + self._expected_new_tokens(req)
             # The first request is admitted whenever its prompt fits, so that something always runs.
-            if not self.running and not picked:
-                need = self.allocator.tokens_needed(req.kv_len, take)
-            if take <= 0 or need + reserve > self._free_tokens():
+            first = not self.running and not picked
+            need = self.allocator.tokens_needed(req.kv_len, take) if first else \
+                self._tokens_to_come(running, picked + [req])
+            if take <= 0 or need > self._free_tokens():
                 if is_new:
                     self.radix.dec_lock_ref(req.last_node)
                     req.last_node, req.cached_len, req.kv_len = None, 0, 0
@@ -173,7 +177,6 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
             self._allocate(req, take)
             picked.append(req)
-            reserve += self._expected_new_tokens(req) + page
             budget -= take
             if take < remaining:
                 self.chunked = req
@@ -182,21 +185,46 @@ class Scheduler:
                 self.chunked = None
         return picked
 
+    def _reserve_terms(self, reqs: list[Request]) -> tuple[int, list[tuple[int, int]]]:
+        """The parts of `_tokens_to_come` for reqs: the tokens that simply add up (the unplaced rest of
+        each sequence, rounded to pages, and the ratio estimate of requests that may stop early), and
+        (tokens left, seq_len) of each request that runs to max_new_tokens."""
+        page = self.allocator.page_size
+        flat, known = 0, []
+        for r in reqs:
+            seq_len, params = r.seq_len, r.params
+            flat += seq_len - r.kv_len - r.extend_len + page - 1
+            if params.ignore_eos and not params.stop_token_ids and not params.stop_strs:
+                known.append((max(0, params.max_new_tokens - r.num_generated), seq_len))
+            else:
+                flat += self._expected_new_tokens(r)
+        return flat, known
+
+    def _tokens_to_come(self, running: tuple[int, list[tuple[int, int]]], reqs: list[Request]) -> int:
+        """KV tokens that the running requests (given as their `_reserve_terms`) and reqs will need
+        beyond the slots they hold now, at the fullest moment ahead: the rest of each sequence (this
+        step's decode token, prompt chunks still to prefill) rounded to pages, plus the tokens they will
+        generate, which schedule_conservativeness scales."""
+        flat, known = self._reserve_terms(reqs)
+        known = sorted(running[1] + known, reverse=True)
+        # s steps ahead, the requests that run to max_new_tokens and are not done hold sum(seq_len + s);
+        # that peaks just before one of them finishes and frees its KV. Visit those moments, latest first.
+        held = peak = 0
+        for count, (left, seq_len) in enumerate(known, 1):
+            held += seq_len
+            peak = max(peak, held + count * left)
+        return running[0] + flat + int((peak - held) * self.config.schedule_conservativeness)
+
     def _expected_new_tokens(self, req: Request) -> int:
         left = min(req.params.max_new_tokens - req.num_generated, CLIP_NEW_TOKENS)
         return int(max(0, left) * self.new_token_ratio)
 
     def _schedule_decode(self, protected: list[Request]) -> list[Request]:
-        """Every running request gets one slot; retract the newest while the pool cannot hold them.
-        Requests already given slots in this step (`protected`) are never retracted."""
-        def needed() -> int:
-            return sum(self.allocator.tokens_needed(r.kv_len, 1) for r in self.running)
-
-        need = needed()
-        while self.running and need > self._free_tokens():
-            chunked_ok = self.chunked is not None and all(self.chunked is not p for p in protected)
-            self._retract(self.chunked if chunked_ok else self.running[-1])
-            need = needed()
+        """Every running request gets one slot; requests are retracted when the pool cannot hold them."""
+        need = self._decode_tokens(1)
+        if need > self._free_tokens():
+            self._retract_for_room(protected)
+            need = self._decode_tokens(1)
         if self.running:
             step = (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
             self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - step)
@@ -206,6 +234,33 @@ class Scheduler:
                                               [r.last_slot for r in self.running])
             self._record(self.running, ones, slots)
         return list(self.running)
+
+    def _decode_tokens(self, steps: int) -> int:
+        return sum(self.allocator.tokens_needed(r.kv_len, steps) for r in self.running)
+
+    def _retract_for_room(self, protected: list[Request]) -> None:
+        """Retract until the running requests have room for RETRACT_HEADROOM_STEPS decode steps (a last
+        one stays if it has room for one), then re-estimate new_token_ratio from those left.
+
+        The chunked prefill goes first, unless it got slots in this step (`protected`); then the requests
+        with the fewest generated tokens, which lose the least decoding, and of those the longest
+        prompts, which free the most."""
+        if self.chunked is not None and all(self.chunked is not p for p in protected):
+            self._retract(self.chunked)
+        victims = sorted(self.running, key=lambda r: (r.num_generated, -len(r.prompt_ids)), reverse=True)
+        for steps, keep in ((RETRACT_HEADROOM_STEPS, 1), (1, 0)):
+            need = self._decode_tokens(steps)
+            while len(self.running) > keep and need > self._free_tokens():
+                victim = victims.pop()
+                need -= self.allocator.tokens_needed(victim.kv_len, steps)
+                self._retract(victim)
+        if self.running:
+            # The estimate let the pool overflow. The requests left have used this share of their
+            # budgets so far (with the headroom): a lower bound of what they will use in the end, and
+            # the estimate to decay from. (Resetting to the start value instead made the ratio cycle.)
+            generated = sum(r.num_generated for r in self.running) + RETRACT_HEADROOM_STEPS * len(self.running)
+            share = generated / max(1, sum(r.params.max_new_tokens for r in self.running))
+            self.new_token_ratio = min(1.0, share) * self.config.schedule_conservativeness
 
     def _allocate(self, req: Request, n: int) -> None:
         """Give req KV slots for fill positions [kv_len, kv_len + n), evicting cached prefixes if needed."""
@@ -237,7 +292,6 @@ class Scheduler:
         self._release(req)
         req.status = RequestStatus.WAITING
         self.num_retractions += 1
-        self.new_token_ratio = self.init_ratio  # the estimate was too low: be careful again
         self.add(req)
 
     def _release(self, req: Request) -> None:

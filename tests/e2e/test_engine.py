@@ -71,7 +71,9 @@ def test_tiny_kv_budget_retracts_and_still_gives_same_tokens(tiny_model):
     prompts = prompts_with_shared_prefixes(8, seed=3)
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     roomy = run(model, prompts, params)
-    with Engine(model=model, device="cpu", dtype="float32", max_total_tokens=96) as engine:
+    # No admission reserve: these requests' lengths are known, and with one nothing would be retracted.
+    with Engine(model=model, device="cpu", dtype="float32", max_total_tokens=96,
+                schedule_conservativeness=0) as engine:
         outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
         assert engine.scheduler.num_retractions > 0
         assert_pool_full(engine)
@@ -95,6 +97,26 @@ def test_new_token_reserve_avoids_retractions(tiny_model):
     assert retractions[0.0] >= 3 and retractions[1.0] < retractions[0.0]
 
 
+def test_known_lengths_share_a_tight_pool_without_retraction(tiny_model):
+    """ignore_eos requests without stop conditions run to max_new_tokens: admission keeps room for the
+    peak they really reach, so none is retracted (a ratio estimate let 4 in here and retracted 2) and
+    the pool still holds as many as fit."""
+    model = tiny_model("llama")
+    prompts = [[7 + i] * 16 for i in range(12)]
+    params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    roomy = run(model, prompts, params)
+    with Engine(model=model, device="cpu", dtype="float32", max_total_tokens=160) as engine:
+        rids = [engine.add_request(prompt_token_ids=p, sampling_params=params) for p in prompts]
+        most_running = 0
+        while engine.has_work():
+            engine.step()
+            most_running = max(most_running, len(engine.scheduler.running))
+        assert [engine.output(engine._pop(rid)).token_ids for rid in rids] == roomy
+        assert engine.scheduler.num_retractions == 0
+        assert most_running == 160 // (16 + 32)
+        assert_pool_full(engine)
+
+
 def test_same_seed_same_tokens_alone_or_batched(tiny_model):
     model = tiny_model("mistral")
     params = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
@@ -107,8 +129,9 @@ def test_same_seed_same_tokens_alone_or_batched(tiny_model):
         assert mixed[1].token_ids == alone
         reseeded = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True)
         assert engine.generate(prompt_token_ids=[target], sampling_params=reseeded)[0].token_ids != alone
-    # Retraction must not change sampled tokens either.
-    assert run(model, [[5] * 30, target, [9] * 30], [other, params, other], max_total_tokens=64)[1] == alone
+    # Retraction must not change sampled tokens either (no admission reserve, so that the pool overflows).
+    assert run(model, [[5] * 30, target, [9] * 30], [other, params, other], max_total_tokens=64,
+               schedule_conservativeness=0)[1] == alone
 
 
 def test_abort_frees_kv_and_others_finish(tiny_model):
