@@ -17,7 +17,7 @@ from kestrel.engine.detokenizer import OutputText
 from kestrel.engine.sampler import PendingSample, Sampler, SamplingBatch
 from kestrel.engine.scheduler import Scheduler
 from kestrel.engine.tokenizer import eos_token_ids, load_tokenizer
-from kestrel.runner.model_runner import ModelRunner, triton_installed
+from kestrel.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Engine:
                                 disabled=config.cache.disable_radix_cache)
         self.scheduler = Scheduler(config.scheduler, self.runner.allocator, self.radix, self.runner.req_to_token,
                                    self.eos_token_ids, self.runner.max_req_len)
-        self.sampler = Sampler(triton_argmax=self.runner.device.type == "cuda" and triton_installed())
+        self.sampler = Sampler(triton_argmax=self.runner.triton_on_device)
         self._seed_rng = random.Random(config.scheduler.random_seed)
         self._arrivals = itertools.count()
         self._texts: dict[str, OutputText] = {}

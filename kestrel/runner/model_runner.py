@@ -34,9 +34,10 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.model.dtype)
-        on_cuda_with_triton = self.device.type == "cuda" and triton_installed()
-        kernels = Kernels(triton_rope=on_cuda_with_triton and shared_triton_kernel(config),
-                          triton_elementwise=on_cuda_with_triton)
+        # Triton kernels for the layers here, and for the sampler's argmax (the engine reads this).
+        self.triton_on_device = self.device.type == "cuda" and triton_installed()
+        kernels = Kernels(triton_rope=self.triton_on_device and shared_triton_kernel(config),
+                          triton_elementwise=self.triton_on_device)
         self.model = load_model(config.model.model, self.dtype, self.device, kernels, config.model.load_format)
         arch = self.model.config
         self.vocab_size = arch.vocab_size
