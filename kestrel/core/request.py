@@ -44,7 +44,8 @@ class Request:
     pending: list[int] = field(default_factory=list)  # FutureTokens indices of sampled, unresolved tokens
     cached_tokens: int = 0  # prompt tokens reused from the radix cache at first admission
     admitted: bool = False
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # what went wrong, when finish_reason is "error"
     matched_stop: int | str | None = None
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -130,7 +130,7 @@ class EngineLoop:
             rid=req.rid, token_ids=req.output_ids[start:],
             logprobs=req.output_logprobs[start:] if asked else None,
             top_logprobs=req.output_top_logprobs[start:] if asked else None,
-            finished=req.finished, finish_reason=req.finish_reason, matched_stop=req.matched_stop,
+            finished=req.finished, finish_reason=req.finish_reason, matched_stop=req.matched_stop, error=req.error,
             prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
 
     def _send_stats(self) -> None:

@@ -74,8 +74,9 @@ class TokenDelta:
     logprobs: list[float] | None = None  # one per token in token_ids, when logprobs were asked for
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     matched_stop: int | str | None = None
+    error: str | None = None  # the engine's message when finish_reason is "error" (a failed step)
     prompt_tokens: int = 0
     cached_tokens: int = 0
 
