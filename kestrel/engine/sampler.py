@@ -194,18 +194,37 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
+# float32 holds 24 significant bits: (x + 0.5) * 2**-24 is exact only below 2**23 and rounds to
+# 1.0 for x = 2**24 - 1, where -log(u) = 0 would let any token win the race. Clamping there keeps
+# every other value (and so every other draw) bit for bit as it was.
+_BELOW_ONE = 1.0 - 2.0 ** -24  # the largest float32 below 1
+# Coins use counter words from here on; token ids (< 2**24) never reach it, so the two never share a draw.
+_COIN_STREAM = 1 << 31
+
+
+def bits_to_unit(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (in int64) -> float32 in (0, 1) strictly: [2**-25, 1 - 2**-24] from the top 24 bits."""
+    return (((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))).clamp_(max=_BELOW_ONE)
+
+
 def uniform_noise(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tensor,
-                  vocab_size: int) -> torch.Tensor:
-    """[B, V] float32 uniforms in (0, 1), a pure function of (seed, position, token id) per cell.
+                  vocab_size: int, first_counter: int = 0) -> torch.Tensor:
+    """[B, V] float32 uniforms in (0, 1), a pure function of (seed, position, counter) per cell, the
+    counter being the token id (plus `first_counter`).
 
     Row i depends only on row i's inputs, so results are independent of batch composition.
     """
     h = _mix_word(torch.full_like(seed_lo, 0x9747B28C), seed_lo)
     h = _mix_word(_mix_word(h, seed_hi), positions)
-    tokens = torch.arange(vocab_size, dtype=torch.int64, device=seed_lo.device)
-    h = _fmix32(_mix_word(h[:, None], tokens[None, :]) ^ 16)  # 16 = bytes hashed, as murmur3 does
-    # Top 24 bits + 1/2 fit float32 exactly and keep u strictly inside (0, 1), so -log(u) is finite and > 0.
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    counters = torch.arange(first_counter, first_counter + vocab_size, dtype=torch.int64, device=seed_lo.device)
+    h = _fmix32(_mix_word(h[:, None], counters[None, :]) ^ 16)  # 16 = bytes hashed, as murmur3 does
+    return bits_to_unit(h)
+
+
+def uniform_coins(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, n] float32 coins in (0, 1) for (seed, position), independent of that position's token noise
+    (speculative acceptance flips these)."""
+    return uniform_noise(seed_lo, seed_hi, positions, n, first_counter=_COIN_STREAM)
 
 
 # ---- sampler ----
@@ -295,7 +314,11 @@ class Sampler:
         # Exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability
         # p_i / sum(p), so the filtered probs need no renormalization.
         u = uniform_noise(batch.seed_lo, batch.seed_hi, batch.positions, logits.shape[-1])
-        return self._argmax(probs / -torch.log(u))
+        # Robust to noise at the extremes anyway: E stays > 0 (-log(1) is -0.0, and p / -0.0 = -inf),
+        # and a filtered token scores -1, below every kept one, never 0 / E (NaN for E = 0, which an
+        # argmax takes).
+        exp = (-torch.log(u)).clamp_(min=torch.finfo(torch.float32).tiny)
+        return self._argmax(torch.where(probs > 0, probs / exp, -1.0))
 
     @staticmethod
     def _keep_mask(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:

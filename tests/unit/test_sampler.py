@@ -8,7 +8,7 @@ import torch
 
 from kestrel.core.request import Request
 from kestrel.core.sampling_params import SamplingParams
-from kestrel.engine.sampler import Sampler, SamplingBatch, uniform_noise
+from kestrel.engine.sampler import Sampler, SamplingBatch, bits_to_unit, uniform_coins, uniform_noise
 
 EOS = 3
 sampler = Sampler()
@@ -132,6 +132,60 @@ def test_uniform_noise_is_in_open_interval_and_roughly_uniform():
     assert abs(u.mean().item() - 0.5) < 0.01
     hist = torch.histc(u, bins=10, min=0, max=1)
     assert (hist / u.numel() - 0.1).abs().max() < 0.005
+
+
+def test_bits_to_unit_is_strictly_inside_and_unchanged_below_the_top_over_all_2_24_values():
+    """Every 24-bit value the mapping can see (low bits clear and set): u in (0, 1), and equal to the old
+    (x + 0.5) * 2**-24 wherever that was below 1, so only draws that were wrong change."""
+    top = torch.arange(1 << 24, dtype=torch.int64)
+    old = ((top.to(torch.float32) + 0.5) * (1.0 / (1 << 24)))
+    for low in (0, 0xFF):
+        u = bits_to_unit((top << 8) | low)
+        assert u.dtype == torch.float32
+        assert u.min().item() > 0 and u.max().item() < 1
+        ok = old < 1
+        assert torch.equal(u[ok], old[ok])
+        assert int((~ok).sum()) == 1  # x = 2**24 - 1 alone rounded to 1.0
+
+
+# (seed, position, token): rows of a vocabulary of 8,192 where the old mapping gave u = 1.0 exactly.
+HITS = [(280, 5, 2261), (1497, 5, 7807), (2001, 5, 7242), (4999, 5, 6399), (15166, 5, 86)]
+
+
+def test_noise_of_the_seeds_that_hit_1_is_below_1_and_filtered_tokens_never_win():
+    seeds = torch.tensor([s for s, _, _ in HITS])
+    u = uniform_noise(seeds, torch.zeros_like(seeds), torch.tensor([p for _, p, _ in HITS]), 8192)
+    assert u.max().item() < 1
+    for seed, pos, token in HITS:
+        logits = random_logits(1, 8192, seed=seed)
+        logits[0, token] = logits.min() - 1  # the worst token: outside every filter below
+        for params in (dict(top_k=5), dict(top_p=0.5), dict(min_p=0.5)):
+            r = req(seed, prompt=[0] * pos, temperature=0.7, **params)
+            top = set(logits[0].topk(5).indices.tolist())
+            got = sample(logits, [r], eos=set()).token_ids[0]
+            assert got != token
+            if "top_k" in params:
+                assert got in top
+
+
+def test_sampling_never_picks_a_masked_token_even_with_noise_at_the_extremes(monkeypatch):
+    """Robust to the noise anyway: with u = 1 (E = 0) everywhere, masked tokens (prob 0) still lose."""
+    import kestrel.engine.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "uniform_noise", lambda s, h, p, v: torch.ones(s.shape[0], v))
+    logits = random_logits(3, 100, seed=9)
+    out = sample(logits, [req(i, temperature=1.0, top_k=3) for i in range(3)], eos=set())
+    for row, token in enumerate(out.token_ids):
+        assert token in logits[row].topk(3).indices.tolist()
+
+
+def test_coins_are_a_stream_apart_from_the_token_noise():
+    seeds = torch.arange(16)
+    coins = uniform_coins(seeds, seeds, seeds + 3, 4)
+    assert coins.shape == (16, 4) and coins.min() > 0 and coins.max() < 1
+    noise = uniform_noise(seeds, seeds, seeds + 3, 4)
+    assert not torch.isin(coins, noise).any()
+    assert torch.equal(coins, uniform_coins(seeds, seeds, seeds + 3, 4))
 
 
 def test_penalties_match_reference():
