@@ -1,0 +1,99 @@
+"""What a model stores per token (and per request) in the KV memory: its layer groups and their buffers.
+
+A model class declares its `KVLayout`; the engine builds the KV memory from it (`kv_memory.py`).
+Each group is indexed one of three ways:
+- TOKEN: one entry per KV slot (full K/V of a Llama layer);
+- BLOCK: one entry per `ratio` consecutive positions of a request, at `slot // ratio` of the block's
+  first position. Page sizes are multiples of every ratio, so a block never straddles two pages and its
+  positions have consecutive slots (a compressed KV block, an indexer key);
+- REQUEST: per `req_to_token` row, for state that does not grow with the sequence (a sliding-window
+  ring, a compressor's partial block).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+class Indexing(enum.Enum):
+    TOKEN = "token"
+    BLOCK = "block"
+    REQUEST = "request"
+
+
+@dataclass(frozen=True)
+class KVBuffer:
+    """One tensor per layer of a group: `shape` is one entry's (TOKEN, BLOCK) or one request's (REQUEST)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    name: str
+    layer_ids: tuple[int, ...]
+    indexing: Indexing
+    buffers: tuple[KVBuffer, ...]
+    ratio: int = 1  # BLOCK: positions per entry
+
+    def __post_init__(self) -> None:
+        if self.ratio < 1 or (self.indexing is not Indexing.BLOCK and self.ratio != 1):
+            raise ValueError(f"KV group {self.name!r}: ratio {self.ratio} is only for BLOCK groups (>= 1)")
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes this group adds per token of a sequence (all its layers); 0 for per-request state."""
+        if self.indexing is Indexing.REQUEST:
+            return 0.0
+        return len(self.layer_ids) * sum(b.nbytes for b in self.buffers) / self.ratio
+
+    @property
+    def bytes_per_request(self) -> int:
+        return len(self.layer_ids) * sum(b.nbytes for b in self.buffers) if self.indexing is Indexing.REQUEST else 0
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Every layer's KV storage. `prefix_cache_unsupported` says why radix prefix reuse cannot be exact
+    for this model (per-request state at a reused boundary would be missing); None when it can."""
+
+    groups: tuple[KVGroup, ...]
+    prefix_cache_unsupported: str | None = None
+
+    def __post_init__(self) -> None:
+        seen: set[tuple[int, str]] = set()
+        for group in self.groups:
+            for layer in group.layer_ids:
+                for buf in group.buffers:
+                    if (layer, buf.name) in seen:
+                        raise ValueError(f"layer {layer} has two KV buffers named {buf.name!r}")
+                    seen.add((layer, buf.name))
+
+    @classmethod
+    def full_attention(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> "KVLayout":
+        """K and V per KV head for every token of every layer (the Llama family)."""
+        entry = (num_kv_heads, head_dim)
+        return cls((KVGroup("full", tuple(range(num_layers)), Indexing.TOKEN,
+                            (KVBuffer("k", entry, dtype), KVBuffer("v", entry, dtype))),))
+
+    @property
+    def page_multiple(self) -> int:
+        """Page sizes must be multiples of this (the BLOCK ratios)."""
+        return math.lcm(1, *(g.ratio for g in self.groups if g.indexing is Indexing.BLOCK))
+
+    @property
+    def bytes_per_token(self) -> float:
+        return sum(g.bytes_per_token for g in self.groups)
+
+    @property
+    def bytes_per_request(self) -> int:
+        return sum(g.bytes_per_request for g in self.groups)
