@@ -1,4 +1,5 @@
 """kestrel: a compact LLM serving engine."""
+from kestrel import envs  # noqa: F401  (first: environment knobs are read once, at import)
 from kestrel.core.outputs import RequestOutput
 from kestrel.core.sampling_params import SamplingParams
 

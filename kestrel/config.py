@@ -22,6 +22,8 @@ class ModelConfig:
     dtype: str = "auto"
     load_format: str = "auto"
     context_length: int | None = None  # defaults to the checkpoint's max_position_embeddings
+    # config.json as read once by resolve(); everything after reads this copy.
+    hf_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -193,7 +195,8 @@ class EngineConfig:
             raise ValueError(f"tp_size must be 1 for now, got {self.parallel.tp_size}")
         out = dataclasses.replace(
             self, device=device, cache=cache, scheduler=scheduler,
-            model=dataclasses.replace(self.model, model=model_path, dtype=dtype, context_length=context_length),
+            model=dataclasses.replace(self.model, model=model_path, dtype=dtype, context_length=context_length,
+                                      hf_config=hf),
             resolved=True)
         attention_backends(out)  # unknown or unavailable backends fail here, at start-up
         _check_library_floors(library_requirements(out))

@@ -30,9 +30,9 @@ def main() -> None:
                         max_running_requests=max(args.running, 1), disable_overlap_schedule=True)
         rng = random.Random(0)
         params = SamplingParams(max_new_tokens=args.steps + 10, temperature=0.0, ignore_eos=True)
-        for _ in range(args.running):
-            engine.add_request(prompt_token_ids=[rng.randrange(3, 500) for _ in range(64)], sampling_params=params)
-        while any(not r.output_ids for r in engine._reqs.values()):
+        rids = [engine.add_request(prompt_token_ids=[rng.randrange(3, 500) for _ in range(64)], sampling_params=params)
+                for _ in range(args.running)]
+        while any(not engine.request(rid).output_ids for rid in rids):
             engine.step()
         parts: dict[str, list[float]] = {"schedule": [], "build_batch": [], "sampler": [], "commit+resolve": []}
         for _ in range(args.steps):
@@ -44,9 +44,9 @@ def main() -> None:
             sampling = SamplingBatch.from_requests(batch.reqs, engine.vocab_size, engine.eos_token_ids, "cpu")
             out = engine.sampler(torch.zeros(len(batch.reqs), engine.vocab_size), sampling)
             t3 = time.perf_counter()
-            futures = list(range(len(batch.reqs)))
+            futures = [[f] for f in range(len(batch.reqs))]
             engine.scheduler.commit(batch, batch.reqs, futures)
-            engine.scheduler.resolve(batch.reqs, futures, out.token_ids)
+            engine.scheduler.resolve(batch.reqs, [[t] for t in out.token_ids], futures)
             t4 = time.perf_counter()
             for key, value in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                 parts[key].append(value)

@@ -87,11 +87,11 @@ def simulate(prompts: list[list[int]], out_lens: list[int], config: SchedulerCon
         sampled = [batch.reqs[i] for i in scheduler.sampling_rows(batch)]
         futures = list(range(next_future, next_future + len(sampled)))
         next_future += len(sampled)
-        scheduler.commit(batch, sampled, futures)
+        scheduler.commit(batch, sampled, [[f] for f in futures])
         # Any token works; one derived from the future index keeps the sequences distinct.
         tokens = [STOP_TOKEN if max_new_tokens and r.num_generated == target[id(r)] else 100 + f % 1000
                   for r, f in zip(sampled, futures)]
-        scheduler.resolve(sampled, futures, tokens)
+        scheduler.resolve(sampled, [[t] for t in tokens], [[f] for f in futures])
         host["commit+resolve"] += time.perf_counter() - t0
     assert all(len(r.output_ids) == m for r, m in zip(reqs, out_lens)), "a request stopped short"
     output = sum(out_lens)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable
 from kestrel import envs
 
 if TYPE_CHECKING:
-    from kestrel.cache.kv_pool import KVPool
+    from kestrel.cache.kv_memory import KVPools
     from kestrel.cache.req_to_token import ReqToTokenPool
     from kestrel.config import EngineConfig
 
@@ -22,12 +22,12 @@ ALIASES = {"sdpa": "torch_native"}
 class BackendEntry:
     """A registered backend.
 
-    `factory(kv_pool, req_to_token, config)` returns (effective name, backend): the name of what it
+    `factory(pools, req_to_token, config)` returns (effective name, backend): the name of what it
     really built, which is also the backend's stamp. `unavailable(config)` returns why the backend
     cannot run for this device/model, or None. The capability flags feed `decisions.py`.
     """
 
-    factory: Callable[["KVPool", "ReqToTokenPool", "EngineConfig"], tuple[str, object]]
+    factory: Callable[["KVPools", "ReqToTokenPool", "EngineConfig"], tuple[str, object]]
     unavailable: Callable[["EngineConfig"], str | None]
     extend_prefix: bool = True  # extend can start after a cached prefix (radix reuse, chunked prefill)
     triton_kernels: bool = False  # runs Triton kernels, so shared Triton kernels may run beside it
@@ -48,10 +48,10 @@ def register(name: str, **entry_fields):
 
 # ---- backends ------------------------------------------------------------------------------------
 @register("torch_native", unavailable=lambda config: None)
-def _torch_native(kv_pool, req_to_token, config):
+def _torch_native(pools, req_to_token, config):
     from kestrel.attention.torch_native import TorchNativeBackend
 
-    return "torch_native", TorchNativeBackend(kv_pool, req_to_token, name="torch_native")
+    return "torch_native", TorchNativeBackend(pools, req_to_token, name="torch_native")
 
 
 def _triton_unavailable(config: "EngineConfig") -> str | None:
@@ -65,10 +65,10 @@ def _triton_unavailable(config: "EngineConfig") -> str | None:
 
 
 @register("triton", unavailable=_triton_unavailable, triton_kernels=True, library=("triton", "3.1"), cuda_graph=True)
-def _triton(kv_pool, req_to_token, config):
+def _triton(pools, req_to_token, config):
     from kestrel.attention.triton_backend import TritonBackend
 
-    return "triton", TritonBackend(kv_pool, req_to_token, upcast=config.device == "cpu", name="triton")
+    return "triton", TritonBackend(pools, req_to_token, upcast=config.device == "cpu", name="triton")
 
 
 # ---- resolution ----------------------------------------------------------------------------------
@@ -145,7 +145,7 @@ def draft_attention_backends(config: "EngineConfig") -> AttentionBackends:
     return AttentionBackends(prefill=name, decode=name)
 
 
-def create_backend(name: str, kv_pool: "KVPool", req_to_token: "ReqToTokenPool", config: "EngineConfig"):
-    effective, backend = REGISTRY[canonical(name)].factory(kv_pool, req_to_token, config)
+def create_backend(name: str, pools: "KVPools", req_to_token: "ReqToTokenPool", config: "EngineConfig"):
+    effective, backend = REGISTRY[canonical(name)].factory(pools, req_to_token, config)
     assert backend.name == effective, f"factory for {name!r} stamped {backend.name!r} but reported {effective!r}"
     return backend

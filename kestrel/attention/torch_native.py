@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kestrel.cache.kv_pool import KVPool
+from kestrel.cache.kv_memory import KVPools
 from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.layers.attention import AttentionLayer
@@ -13,9 +13,9 @@ from kestrel.layers.attention import AttentionLayer
 class TorchNativeBackend:
     """Serves every forward mode: a decode is an extend of one token, so one code path covers all."""
 
-    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, name: str = "torch_native") -> None:
+    def __init__(self, pools: KVPools, req_to_token: ReqToTokenPool, name: str = "torch_native") -> None:
         self.name = name
-        self.kv_pool = kv_pool
+        self.pools = pools
         self.req_to_token = req_to_token
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -23,13 +23,11 @@ class TorchNativeBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                 batch: ForwardBatch) -> torch.Tensor:
-        self.kv_pool.write(layer.layer_id, batch.out_cache_loc,
-                           k.view(-1, layer.num_kv_heads, layer.head_dim),
-                           v.view(-1, layer.num_kv_heads, layer.head_dim))
+        kv = self.pools.layer(layer.layer_id)
+        kv.k[batch.out_cache_loc] = k.view(-1, layer.num_kv_heads, layer.head_dim).to(kv.k.dtype)
+        kv.v[batch.out_cache_loc] = v.view(-1, layer.num_kv_heads, layer.head_dim).to(kv.v.dtype)
         q = q.view(-1, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
-        k_buf = self.kv_pool.k_buffers[layer.layer_id]
-        v_buf = self.kv_pool.v_buffers[layer.layer_id]
         group = layer.num_heads // layer.num_kv_heads
         start = 0
         for i, (prefix, extend, seq) in enumerate(zip(batch.prefix_lens_cpu, batch.extend_lens_cpu,
@@ -37,9 +35,12 @@ class TorchNativeBackend:
             slots = self.req_to_token.table[batch.req_pool_indices[i], :seq]
             # [heads, tokens, head_dim]; K/V repeated so each query head meets its KV head.
             qi = q[start:start + extend].transpose(0, 1)
-            ki = k_buf[slots].transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
-            vi = v_buf[slots].transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+            ki = kv.k[slots].transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+            vi = kv.v[slots].transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
             mask = _mask(prefix, extend, seq, layer.sliding_window, q.device)
+            if batch.tree_mask is not None:
+                tree = batch.tree_mask[batch.tree_mask_starts[i]:][:extend * extend].view(extend, extend)
+                mask = torch.cat([torch.ones(extend, prefix, dtype=torch.bool, device=q.device), tree], dim=1)
             out[start:start + extend] = F.scaled_dot_product_attention(
                 qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), attn_mask=mask, scale=layer.scaling,
             )[0].transpose(0, 1)

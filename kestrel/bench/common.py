@@ -73,36 +73,20 @@ def now(device: torch.device) -> float:
 
 
 class StepRecorder:
-    """Records every engine step (mode, requests, new tokens, wall time) to show where a run's time went.
-
-    Wraps `engine.scheduler.schedule` and `engine.step`; a step's wall time includes its host work.
-    """
+    """Records every engine step (mode, requests, new tokens, wall time) to show where a run's time went,
+    through the engine's step hook; a step's wall time includes its host work."""
 
     def __init__(self, engine) -> None:
         self.steps: list[tuple[str, int, int, float]] = []
-        self._last = None
-        schedule, step = engine.scheduler.schedule, engine.step
-
-        def recording_schedule():
-            self._last = schedule()
-            return self._last
-
-        def recording_step():
-            self._last = None
-            start = time.perf_counter()
-            out = step()
-            if self._last is not None:
-                batch = self._last
-                self.steps.append((batch.mode.name, len(batch.reqs), batch.out_cache_loc.numel(),
-                                   time.perf_counter() - start))
-            return out
-
-        engine.scheduler.schedule, engine.step = recording_schedule, recording_step
         self._engine = engine
+        engine.add_step_hook(self._record)
+
+    def _record(self, info) -> None:
+        self.steps.append((info.mode.upper(), info.num_reqs, info.num_tokens, info.seconds))
 
     def detach(self) -> None:
-        """Restore the engine's own methods (the wrappers would keep the engine, and its GPU memory, alive)."""
-        del self._engine.scheduler.schedule, self._engine.step
+        """Stop recording (the hook would keep this recorder, and the engine's hooks list, growing)."""
+        self._engine.remove_step_hook(self._record)
         self._engine = None
 
     def summary(self) -> dict[str, dict[str, float]]:

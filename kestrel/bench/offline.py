@@ -21,7 +21,7 @@ from kestrel.core.sampling_params import SamplingParams
 
 def run_kestrel(engine, prompts: list[list[int]], out_lens: list[int]) -> dict:
     params = [SamplingParams(max_new_tokens=m, temperature=0.0, ignore_eos=True) for m in out_lens]
-    device = engine.runner.device
+    device = engine.device
     start = now(device)
     outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
     elapsed = now(device) - start
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append((f"{mode} steps", f"{s['steps']} steps, {s['seconds']:.2f} s, {s['tokens']} tokens, "
                                       f"{s['mean_requests']:.1f} requests/step, median {s['median_step_ms']:.2f} ms"))
     if args.transformers_batch_size:
-        device, dtype = engine.runner.device, engine.runner.dtype
+        device, dtype = engine.device, getattr(torch, engine.config.model.dtype)
         model_path = engine.config.model.model
         engine.shutdown()
         del engine

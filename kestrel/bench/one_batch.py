@@ -17,26 +17,17 @@ from kestrel.core.sampling_params import SamplingParams
 
 
 class ForwardTimer:
-    """Wraps the runner's forward to time its GPU work with CUDA events (the rest of a step is CPU work)."""
+    """Times the runner's forwards on the GPU with CUDA events (the rest of a step is CPU work)."""
 
     def __init__(self, runner) -> None:
-        self.runner, self.inner, self.events = runner, runner.forward, []
-        runner.forward = self
-
-    def __call__(self, batch):
-        if self.runner.device.type != "cuda":
-            return self.inner(batch)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = self.inner(batch)
-        end.record()
-        self.events.append((start, end))
-        return out
+        self.runner = runner
+        runner.forward_events = [] if runner.device.type == "cuda" else None
 
     def take_ms(self) -> list[float]:
+        events = self.runner.forward_events or []
         torch.cuda.synchronize()
-        times = [s.elapsed_time(e) for s, e in self.events]
-        self.events = []
+        times = [s.elapsed_time(e) for s, e in events]
+        events.clear()
         return times
 
 
@@ -46,9 +37,9 @@ def run(engine, batch_size: int, input_len: int, output_len: int, seed: int = 0)
     prompts = random_prompts([input_len] * batch_size, engine.vocab_size, rng)
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
     rids = [engine.add_request(prompt_token_ids=p, sampling_params=params) for p in prompts]
-    device = engine.runner.device
+    device = engine.device
     start = now(device)
-    while not all(engine._reqs[r].output_ids for r in rids):  # prefill (possibly chunked)
+    while not all(engine.request(r).output_ids for r in rids):  # prefill (possibly chunked)
         engine.step()
     # The first tokens are on the host now; a device sync here would also wait for the decode step
     # that overlap scheduling has already launched.
@@ -63,7 +54,7 @@ def run(engine, batch_size: int, input_len: int, output_len: int, seed: int = 0)
         steps.append(t - last)
         last = t
     for rid in rids:
-        engine._pop(rid)
+        engine.pop(rid)
     return {"prefill_s": prefill, "decode_steps_s": steps}
 
 
@@ -79,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     from kestrel.engine.engine import Engine
 
     engine = Engine(config=config_from_args(args))
-    device = engine.runner.device
+    device = engine.device
     run(engine, args.batch_size, args.input_len, min(args.output_len, 8))  # warm-up
     timer = ForwardTimer(engine.runner)
     result = run(engine, args.batch_size, args.input_len, args.output_len, seed=1)
@@ -101,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         "decode_forward_gpu_median_s": decode_gpu,
         "decode_cpu_share": 1 - decode_gpu / step if decode_gpu else None,
         "attention_backend": engine.runner.attn_backend.name,
-        "cuda_graphs": engine.runner.cuda_graphs is not None,
+        "cuda_graphs": bool(engine.runner.cuda_graphs),
     }
     rows = [("batch size / input / output", f"{args.batch_size} / {args.input_len} / {args.output_len}"),
             ("prefill latency (ms)", result["prefill_s"] * 1e3),

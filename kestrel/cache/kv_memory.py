@@ -1,12 +1,13 @@
 """The engine's KV memory: one slot space (allocator + req_to_token) and the pools of one or more models.
 
 The target model's pools and a draft model's pools are built from their own `KVLayout`s over the same
-slot space, so one slot index (and one `req_to_token` row) addresses a token's KV in both. Attention
-backends reach a layer's tensors through `KVPools.layer(layer_id)`.
+slot space, so one slot index (and one `req_to_token` row) addresses a token's KV in both; a
+tensor-parallel rank builds the same layouts for its shard. Attention backends reach a layer's tensors
+through `KVPools.layer(layer_id)`.
 """
 from __future__ import annotations
 
-import logging
+import math
 from types import SimpleNamespace
 
 import torch
@@ -14,8 +15,7 @@ import torch
 from kestrel.cache.allocator import TokenToKVPoolAllocator
 from kestrel.cache.kv_layout import Indexing, KVLayout
 from kestrel.cache.req_to_token import ReqToTokenPool
-
-logger = logging.getLogger(__name__)
+from kestrel.config import CacheConfig
 
 
 class LayerKV(SimpleNamespace):
@@ -49,33 +49,41 @@ class KVPools:
 
 
 class KVMemory:
-    """Allocator, `req_to_token` and pools, sized once from the memory budget.
+    """Allocator, `req_to_token` and one `KVPools` per layout (the target's first, then e.g. a draft
+    model's), all over the same slot space of `size` tokens (rounded down to pages)."""
 
-    `size` tokens of slot space (rounded down to pages); `pools` is the target's; `add_pools()` builds a
-    draft model's over the same slots.
-    """
-
-    def __init__(self, layout: KVLayout, size: int, page_size: int, max_requests: int, max_context: int,
+    def __init__(self, layouts: list[KVLayout], size: int, page_size: int, max_requests: int, max_context: int,
                  device: torch.device | str) -> None:
-        if page_size % layout.page_multiple:
-            raise ValueError(f"page_size {page_size} must be a multiple of {layout.page_multiple} for this "
-                             "model's compressed KV blocks")
+        multiple = math.lcm(*(layout.page_multiple for layout in layouts))
+        if page_size % multiple:
+            raise ValueError(f"page_size {page_size} must be a multiple of {multiple} for this model's "
+                             "compressed KV blocks")
         self.device = torch.device(device)
         self.allocator = TokenToKVPoolAllocator(size, page_size, self.device)
-        self.num_slots = (self.allocator.num_pages + 1) * page_size  # + the reserved page 0
+        num_slots = (self.allocator.num_pages + 1) * page_size  # + the reserved page 0
         # A request never holds more tokens than the pool or the context.
         self.max_req_len = min(max_context, self.allocator.size)
         self.req_to_token = ReqToTokenPool(max_requests, self.max_req_len + 1, self.device)
-        self.pools = self.add_pools(layout)
+        self.pools = [KVPools(layout, num_slots, max_requests + 1, self.device) for layout in layouts]
+        self.bytes_per_token = sum(layout.bytes_per_token for layout in layouts)
 
-    def add_pools(self, layout: KVLayout) -> KVPools:
-        if self.allocator.page_size % layout.page_multiple:
-            raise ValueError(f"page_size {self.allocator.page_size} must be a multiple of {layout.page_multiple}")
-        return KVPools(layout, self.num_slots, self.req_to_token.max_requests + 1, self.device)
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the KV of slots `src` to slots `dst` (device tensors) in every pool (a KV rollback)."""
+        for pools in self.pools:
+            for buf in pools.token_buffers():
+                buf[dst] = buf[src]
 
-    @staticmethod
-    def tokens_for_budget(layouts: list[KVLayout], budget_bytes: float, max_requests: int) -> int:
-        """Slot-space size that the layouts' pools fill `budget_bytes` with (per-request state first)."""
-        per_token = sum(layout.bytes_per_token for layout in layouts)
-        fixed = (max_requests + 1) * sum(layout.bytes_per_request for layout in layouts)
-        return int(max(0.0, budget_bytes - fixed) // per_token)
+
+def pool_size(cache: CacheConfig, layouts: list[KVLayout], max_requests: int, device: torch.device) -> int:
+    """KV slot space in tokens: `max_total_tokens` when set (always on CPU); on CUDA what is free after
+    the weights, minus the share kept for activations, filled by the layouts (per-request state first)."""
+    if cache.max_total_tokens is not None:
+        return cache.max_total_tokens
+    free, total = torch.cuda.mem_get_info(device)
+    budget = free - total * (1 - cache.mem_fraction_static)
+    fixed = (max_requests + 1) * sum(layout.bytes_per_request for layout in layouts)
+    tokens = int(max(0.0, budget - fixed) // sum(layout.bytes_per_token for layout in layouts))
+    if tokens < cache.page_size:
+        raise ValueError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free); "
+                         "raise mem_fraction_static or set max_total_tokens")
+    return tokens

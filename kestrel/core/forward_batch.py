@@ -20,6 +20,10 @@ class ForwardBatch:
     are in this batch (1 for a decode), `seq_lens[i] = prefix_lens[i] + extend_lens[i]`. The new
     tokens' KV goes to `out_cache_loc`; all of request i's slots are in
     `req_to_token[req_pool_indices[i], :seq_lens[i]]` once this forward has run.
+
+    `tree_mask` (a verify step): request i's new tokens see its whole prefix, and among themselves
+    new token a sees new token b iff `tree_mask[tree_mask_starts[i] + a * extend_lens[i] + b]`; None
+    means causal. A backend that serves such a batch must honour it.
     """
 
     forward_mode: ForwardMode
@@ -34,8 +38,13 @@ class ForwardBatch:
     seq_lens_cpu: list[int] | None
     prefix_lens_cpu: list[int] | None
     extend_lens_cpu: list[int] | None
-    logits_indices: torch.Tensor  # [B] row of each request's last new token in the flat batch
+    max_extend: int  # the largest extend_len (fixed per graph: tokens per request)
+    logits_indices: torch.Tensor  # rows of the flat batch whose logits are computed
     attn_backend: "AttentionBackend"
+    tree_mask: torch.Tensor | None = None  # flat bool, see above
+    tree_mask_starts: torch.Tensor | None = None  # [B] int64
+    capture_hidden: tuple[int, ...] = ()  # layers whose input hidden state the model keeps, in this order
+    captured_hidden: torch.Tensor | None = None  # set by the model: [T, hidden * len(capture_hidden)]
 
     @property
     def batch_size(self) -> int:

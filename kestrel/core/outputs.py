@@ -10,7 +10,7 @@ class RequestOutput:
     """The generated part of one request.
 
     meta keys: id, prompt_tokens, completion_tokens, cached_tokens, finish_reason
-    ("stop" | "length" | "abort"), matched_stop (token id or string that stopped it, or None), and
+    ("stop" | "length" | "abort" | "error"; then `error` holds the message), matched_stop (token id or string that stopped it, or None), and
     output_token_logprobs / output_top_logprobs when logprobs were asked for.
     """
 
@@ -18,3 +18,29 @@ class RequestOutput:
     token_ids: list[int]
     meta: dict[str, Any] = field(default_factory=dict)
     finished: bool = True
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's load (the server's gauges)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_used_tokens: int = 0  # KV slots held by live requests (cached, unlocked prefixes count as free)
+    num_evictable_tokens: int = 0  # KV slots holding unlocked radix-cache prefixes
+    max_total_tokens: int = 0
+    num_retractions: int = 0
+
+    @property
+    def token_usage(self) -> float:
+        return self.num_used_tokens / self.max_total_tokens if self.max_total_tokens else 0.0
+
+
+@dataclass
+class StepInfo:
+    """One engine step that ran a batch: what it was and its wall time, host work included."""
+
+    mode: str  # the forward mode's value ("extend", "decode", "mixed", ...)
+    num_reqs: int
+    num_tokens: int  # new tokens in the forward
+    seconds: float

@@ -10,8 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.envs import triton_jit
 
-@triton.jit
+
+@triton_jit
 def _chunk_argmax_kernel(X, values, indices, vocab, stride_x, num_chunks, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -21,7 +23,7 @@ def _chunk_argmax_kernel(X, values, indices, vocab, stride_x, num_chunks, BLOCK:
     tl.store(indices + row * num_chunks + chunk, chunk * BLOCK + tl.argmax(x, 0, tie_break_left=True))
 
 
-@triton.jit
+@triton_jit
 def _best_chunk_kernel(values, indices, OUT, num_chunks, BLOCK_C: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)

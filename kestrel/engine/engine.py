@@ -5,19 +5,26 @@ import itertools
 import logging
 import numbers
 import random
+import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
+import torch
+
+from kestrel.cache.kv_memory import KVMemory, pool_size
 from kestrel.cache.radix import RadixCache
 from kestrel.config import EngineConfig
-from kestrel.core.outputs import RequestOutput
+from kestrel.core.batch import ScheduledBatch
+from kestrel.core.outputs import EngineStats, RequestOutput, StepInfo
 from kestrel.core.request import Request
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.engine.detokenizer import OutputText
 from kestrel.engine.sampler import PendingSample, Sampler, SamplingBatch
 from kestrel.engine.scheduler import Scheduler
 from kestrel.engine.tokenizer import eos_token_ids, load_tokenizer
-from kestrel.runner.model_runner import ModelRunner
+from kestrel.models.loader import load_model
+from kestrel.runner.future_tokens import FutureTokens
+from kestrel.runner.model_runner import ModelRunner, layer_kernels, triton_on_device
 
 logger = logging.getLogger(__name__)
 
@@ -49,24 +56,45 @@ class Engine:
 
         # ---- tokenizer ---------------------------------------------------------------------
         self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model, required=False)
-        self.eos_token_ids = eos_token_ids(config.model.model, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(config.model.model, self.tokenizer, config.model.hf_config)
 
-        # ---- model, KV memory, attention ---------------------------------------------------
-        self.runner = ModelRunner(config)
-        self.vocab_size = self.runner.vocab_size
+        # ---- model ---------------------------------------------------------------------------
+        self.device = torch.device(config.device)
+        dtype = getattr(torch, config.model.dtype)
+        model = load_model(config.model.model, dtype, self.device, layer_kernels(config), config.model.load_format,
+                           config.model.hf_config)
+        self.vocab_size = model.config.vocab_size
+
+        # ---- KV memory: the engine's, shaped by the model ----------------------------------------
+        sched = config.scheduler
+        layouts = [model.kv_layout(dtype)]
+        size = pool_size(config.cache, layouts, sched.max_running_requests, self.device)
+        self.kv_memory = KVMemory(layouts, size, config.cache.page_size, sched.max_running_requests,
+                                  config.model.context_length, self.device)
+        alloc = self.kv_memory.allocator
+        logger.info("KV pool: %d tokens (%.2f GiB), page size %d", alloc.size,
+                    alloc.size * self.kv_memory.bytes_per_token / 2**30, alloc.page_size)
+        # Every sampled request holds a req_to_token row, so a step samples at most max_running_requests.
+        future_tokens = FutureTokens(2 * sched.max_running_requests, self.device)
+        self.runner = ModelRunner(config, model, self.kv_memory, self.kv_memory.pools[0], future_tokens)
 
         # ---- scheduling and sampling -------------------------------------------------------
-        self.radix = RadixCache(self.runner.allocator, config.cache.page_size,
-                                disabled=config.cache.disable_radix_cache)
-        self.scheduler = Scheduler(config.scheduler, self.runner.allocator, self.radix, self.runner.req_to_token,
-                                   self.eos_token_ids, self.runner.max_req_len)
-        self.sampler = Sampler(triton_argmax=self.runner.triton_on_device)
-        self._seed_rng = random.Random(config.scheduler.random_seed)
+        self.radix = RadixCache(alloc, config.cache.page_size, disabled=config.cache.disable_radix_cache)
+        self.scheduler = Scheduler(sched, alloc, self.radix, self.kv_memory.req_to_token, self.eos_token_ids,
+                                   self.kv_memory.max_req_len)
+        self.sampler = Sampler(triton_argmax=triton_on_device(config))
+        self._seed_rng = random.Random(sched.random_seed)
         self._arrivals = itertools.count()
         self._texts: dict[str, OutputText] = {}
         self._reqs: dict[str, Request] = {}
         self._streamed: dict[str, int] = {}  # rid -> output tokens already returned by step_deltas()
         self._inflight: _Launched | None = None  # launched batch whose sampled tokens are not applied yet
+        self._step_hooks: list[Callable[[StepInfo], None]] = []
+
+    @property
+    def max_req_len(self) -> int:
+        """A prompt must be shorter; prompt + output never exceeds it (context length and KV pool)."""
+        return self.kv_memory.max_req_len
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
@@ -88,13 +116,14 @@ class Engine:
                    for t in ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
         ids = [int(t) for t in ids]
-        limit = self.runner.max_req_len
+        limit = self.max_req_len
         if len(ids) >= limit:
             raise ValueError(f"the prompt has {len(ids)} tokens; it must be shorter than the context "
                              f"length ({limit} tokens, the smaller of context_length and the KV pool)")
-        if len(ids) + params.max_new_tokens > self.runner.allocator.size:
+        pool = self.kv_memory.allocator.size
+        if len(ids) + params.max_new_tokens > pool:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                             f"KV pool ({self.runner.allocator.size} tokens); lower max_new_tokens")
+                             f"KV pool ({pool} tokens); lower max_new_tokens")
         arrival = next(self._arrivals)
         rid = rid if rid is not None else f"req-{arrival}"
         if rid in self._reqs:
@@ -124,43 +153,90 @@ class Engine:
         With overlap scheduling (the default) the step launches batch N+1 and then resolves batch N,
         whose host work (stop checks, detokenizing, scheduling the next batch) overlaps batch N+1 on
         the device; a request's token is returned one step after its forward is launched.
+
+        A step that raises (the forward, the sampler, a stop check) finishes the requests of the
+        batches it touched with finish_reason "error" and frees their KV; the others go on.
         """
+        start = time.perf_counter()
         done: list[Request] = []
-        if self._inflight is not None and not self._can_overlap():
-            done += self._resolve()
-        batch = self.scheduler.schedule()
-        launched = self._launch(batch) if batch is not None else None
-        if self._inflight is not None:
-            done += self._resolve()
-        self._inflight = launched
-        if launched is not None and self.config.scheduler.disable_overlap_schedule:
-            done += self._resolve()
+        batch: ScheduledBatch | None = None
+        try:
+            if self._inflight is not None and not self._can_overlap():
+                done += self._resolve()
+            batch = self.scheduler.schedule()
+            launched = self._launch(batch) if batch is not None else None
+            if self._inflight is not None:
+                done += self._resolve()
+            self._inflight = launched
+            if launched is not None and self.config.scheduler.disable_overlap_schedule:
+                done += self._resolve()
+        except Exception as e:  # noqa: BLE001 - a failed step costs only its own requests
+            done += self._fail_step(batch, e)
+        if batch is not None and self._step_hooks:
+            info = StepInfo(batch.mode.value, batch.batch_size, batch.num_tokens, time.perf_counter() - start)
+            for hook in self._step_hooks:
+                hook(info)
         return done
+
+    def _fail_step(self, batch: ScheduledBatch | None, error: Exception) -> list[Request]:
+        """Finish the requests of the failed batch and of the one in flight (whose tokens may never
+        arrive) with an error; the scheduler forgets the half-built step."""
+        logger.exception("engine step failed; its requests finish with an error")
+        message = f"{type(error).__name__}: {error}"
+        reqs = (batch.reqs if batch is not None else []) + (self._inflight.reqs if self._inflight else [])
+        self._inflight = None
+        self.scheduler.kv.drain()  # writes and slots of a batch that never ran
+        failed = []
+        for req in dict.fromkeys(reqs):
+            if not req.finished:
+                self.scheduler.finish(req, "error", error=message)
+                failed.append(req)
+        return failed
+
+    def add_step_hook(self, hook: Callable[[StepInfo], None]) -> None:
+        """Call `hook(StepInfo)` after every step that ran a batch (benchmarks record steps with it)."""
+        self._step_hooks.append(hook)
+
+    def remove_step_hook(self, hook: Callable[[StepInfo], None]) -> None:
+        self._step_hooks.remove(hook)
+
+    def stats(self) -> EngineStats:
+        sched, alloc = self.scheduler, self.kv_memory.allocator
+        evictable = self.radix.evictable_size()
+        return EngineStats(
+            num_running=len(sched.running) + (sched.chunked is not None), num_waiting=len(sched.waiting),
+            num_used_tokens=alloc.size - alloc.available_size() - evictable, num_evictable_tokens=evictable,
+            max_total_tokens=alloc.size, num_retractions=sched.num_retractions)
+
+    def request(self, rid: str) -> Request | None:
+        """The live state of a request this engine still tracks (read it, do not change it)."""
+        return self._reqs.get(rid)
 
     def _can_overlap(self) -> bool:
         # Penalties are computed from the output tokens, so those must be on the host first.
         return not self.config.scheduler.disable_overlap_schedule and \
             not any(r.params.has_penalties for r in self.scheduler.running)
 
-    def _launch(self, batch) -> "_Launched | None":
+    def _launch(self, batch: ScheduledBatch) -> "_Launched | None":
         """Forward and sample on the device, then commit the batch; nothing here waits for the device."""
-        logits = self.runner.forward(batch)
+        logits = self.runner.forward(batch).logits
         rows = self.scheduler.sampling_rows(batch)
         sampled = [batch.reqs[i] for i in rows]
         if not sampled:
             self.scheduler.commit(batch, [], [])
             return None
-        sampling = SamplingBatch.from_requests(sampled, self.vocab_size, self.eos_token_ids, self.runner.device)
+        sampling = SamplingBatch.from_requests(sampled, self.vocab_size, self.eos_token_ids, self.device)
         pending = self.sampler.sample(logits if len(rows) == len(batch.reqs) else logits[rows], sampling)
         futures = self.runner.future_tokens.put(pending.token_ids)
-        self.scheduler.commit(batch, sampled, futures)
+        self.scheduler.commit(batch, sampled, [[f] for f in futures])
         return _Launched(sampled, futures, pending)
 
     def _resolve(self) -> list[Request]:
         """Wait for the in-flight batch's tokens and apply them."""
         launched, self._inflight = self._inflight, None
         out = launched.sample.result()
-        got = set(map(id, self.scheduler.resolve(launched.reqs, launched.futures, out.token_ids)))
+        got = set(map(id, self.scheduler.resolve(launched.reqs, [[t] for t in out.token_ids],
+                                                 [[f] for f in launched.futures])))
         done = []
         for req, logprob, top in zip(launched.reqs, out.logprobs, out.top_logprobs):
             if id(req) not in got:
@@ -192,7 +268,7 @@ class Engine:
             news.append((req, self._streamed.get(req.rid, 0)))
             if req.finished:
                 self._streamed.pop(req.rid, None)
-                self._pop(req.rid)
+                self.pop(req.rid)
             else:
                 self._streamed[req.rid] = len(req.output_ids)
         return news
@@ -229,13 +305,14 @@ class Engine:
         except ValueError:
             for rid in rids:  # a bad prompt rejects the whole call; the others are not left behind
                 self.abort(rid)
-                self._pop(rid)
+                self.pop(rid)
             raise
         while not all(self._reqs[rid].finished for rid in rids):
             self.step()
-        return [self.output(self._pop(rid)) for rid in rids]
+        return [self.output(self.pop(rid)) for rid in rids]
 
-    def _pop(self, rid: str) -> Request:
+    def pop(self, rid: str) -> Request:
+        """Forget a request (finished, or aborted first) and return its final state."""
         self._texts.pop(rid, None)
         return self._reqs.pop(rid)
 
@@ -254,6 +331,8 @@ class Engine:
             "id": req.rid, "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
             "cached_tokens": req.cached_tokens, "finish_reason": req.finish_reason, "matched_stop": req.matched_stop,
         }
+        if req.error is not None:
+            meta["error"] = req.error
         if req.params.logprobs is not None:
             meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids))
             meta["output_top_logprobs"] = req.output_top_logprobs
@@ -261,6 +340,7 @@ class Engine:
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def shutdown(self) -> None:
+        """Abort every request and forget them; safe to call at any time, also after a failed step."""
         self._inflight = None
         for rid in list(self._reqs):
             self.abort(rid)

@@ -105,17 +105,17 @@ def _ids(value: Any) -> set[int]:
     return set()
 
 
-def eos_token_ids(model_path: str, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
-    """Every id that ends generation: config.json, generation_config.json and the tokenizer's eos.
+def eos_token_ids(model_path: str, tokenizer: PreTrainedTokenizerBase | None, hf_config: dict) -> set[int]:
+    """Every id that ends generation: config.json (`hf_config`), generation_config.json and the
+    tokenizer's eos.
 
-    Read from the JSON files directly (no config classes) so it works for any architecture; a
-    missing file contributes nothing.
+    Read from the JSON directly (no config classes) so it works for any architecture; a missing
+    generation_config.json contributes nothing.
     """
-    ids: set[int] = set()
-    for name in ("config.json", "generation_config.json"):
-        file = Path(model_path) / name
-        if file.is_file():
-            ids |= _ids(json.loads(file.read_text()).get("eos_token_id"))
+    ids = _ids(hf_config.get("eos_token_id"))
+    file = Path(model_path) / "generation_config.json"
+    if file.is_file():
+        ids |= _ids(json.loads(file.read_text()).get("eos_token_id"))
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids

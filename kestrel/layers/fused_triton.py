@@ -9,8 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.envs import triton_jit
 
-@triton.jit
+
+@triton_jit
 def _add_rmsnorm_kernel(X, R, W, OUT, stride_x, stride_r, stride_o, hidden, eps,
                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -38,7 +40,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     return out
 
 
-@triton.jit
+@triton_jit
 def _silu_and_mul_kernel(X, OUT, stride_x, stride_o, inter, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

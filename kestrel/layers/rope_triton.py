@@ -5,8 +5,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.envs import triton_jit
 
-@triton.jit
+
+@triton_jit
 def _rope_kernel(X, OUT, positions, cos_sin, stride_xt, stride_ot, stride_c, num_heads,
                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kestrel.cache.kv_layout import KVLayout
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.layers.activation import SiluAndMul
 from kestrel.layers.attention import AttentionLayer
@@ -93,8 +94,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            if i in batch.capture_hidden:  # the residual stream entering layer i (EAGLE-3's features)
+                captured[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual, batch)
+        if captured:
+            batch.captured_hidden = torch.cat([captured[i] for i in batch.capture_hidden], dim=-1)
         return self.norm(hidden, residual)[0]
 
 
@@ -115,6 +121,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.model(input_ids, positions, batch)
+
+    def kv_layout(self, dtype: torch.dtype) -> KVLayout:
+        cfg = self.config
+        return KVLayout.full_attention(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -32,18 +32,19 @@ def read_arch_config(model_path: str | Path) -> ArchConfig:
 
 
 def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device | str,
-               kernels: Kernels = Kernels(), load_format: str = "auto") -> nn.Module:
+               kernels: Kernels = Kernels(), load_format: str = "auto", hf_config: dict | None = None) -> nn.Module:
     """Build the model directly on `device` in `dtype` and fill it from the checkpoint.
 
     Checkpoint names map to parameters by name, except projections the model merges
     (`stacked_params`: q/k/v → qkv_proj, gate/up → gate_up_proj), which are copied into their rows.
     `load_format="dummy"` fills random weights instead (benchmarks of a config-only folder).
     `kernels` picks Triton or torch implementations of rope, norms and activations.
+    `hf_config` is the folder's config.json when the caller has read it already.
     Raises ValueError listing missing or unexpected parameter names.
     """
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
-    config = read_config(model_path)
+    config = hf_config if hf_config is not None else read_config(model_path)
     cls = model_class(config.get("architectures") or [])
     cfg = parse_arch_config(config)
     with torch.device(device), _default_dtype(dtype):

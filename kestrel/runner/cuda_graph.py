@@ -1,8 +1,10 @@
-"""CUDA-graph capture and replay of decode batches.
+"""CUDA-graph capture and replay of decode-like batches: (mode, tokens per request) per runner.
 
 A decode step of a large model launches hundreds of small kernels; replaying a captured graph removes
 the per-kernel CPU launch cost. One graph per batch-size bucket; a batch is padded up to its bucket
 with entries that point at the reserved padding row and slot 0, so padding never touches real KV.
+A runner for t > 1 tokens per request (a speculative verify) computes logits at every token and
+takes the tree mask from a static buffer (causal when the batch has none).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import logging
 
 import torch
 
+from kestrel.core.batch import ScheduledBatch
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.core.forward_mode import ForwardMode
 
@@ -23,38 +26,48 @@ def batch_size_buckets(max_bs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model: torch.nn.Module, attn_backend, padding_row: int, max_bs: int,
-                 device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, attn_backend, padding_row: int, max_bs: int, device: torch.device,
+                 mode: ForwardMode = ForwardMode.DECODE, tokens: int = 1, capture_hidden: tuple[int, ...] = ()) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.buckets = batch_size_buckets(max_bs)
         self.max_bs = max_bs
-        dev = device
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.req_pool_indices = torch.full((max_bs,), padding_row, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(max_bs, dtype=torch.int64, device=dev)
+        self.mode, self.tokens, self.capture_hidden = mode, tokens, capture_hidden
+        n = max_bs * tokens
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=device)
+        self.req_pool_indices = torch.full((max_bs,), padding_row, dtype=torch.int64, device=device)
+        self.seq_lens = torch.full((max_bs,), tokens, dtype=torch.int64, device=device)
+        self.prefix_lens = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.causal = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril().flatten()
+        self.tree_mask = self.causal.repeat(max_bs) if tokens > 1 else None
         self.padding_row = padding_row
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         self.pool = None
         self._capture_all()
 
     def _batch(self, bs: int) -> ForwardBatch:
-        zeros = torch.zeros(bs, dtype=torch.int64, device=self.input_ids.device)
-        # Decode kernels read seq_lens (a static buffer, refreshed each replay); prefix/extend lens are
-        # built once here and are not refreshed, so a decode backend must not read them.
+        t, dev = self.tokens, self.input_ids.device
+        n = bs * t
+        # Kernels read the static buffers, refreshed each replay; extend_lens and the row indices are
+        # fixed by the shape, so they are built once here.
         return ForwardBatch(
-            forward_mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-            out_cache_loc=self.out_cache_loc[:bs], req_pool_indices=self.req_pool_indices[:bs],
-            seq_lens=self.seq_lens[:bs], prefix_lens=self.seq_lens[:bs] - 1, extend_lens=zeros + 1,
-            seq_lens_cpu=None, prefix_lens_cpu=None, extend_lens_cpu=None,
-            logits_indices=torch.arange(bs, device=self.input_ids.device), attn_backend=self.attn_backend)
+            forward_mode=self.mode, input_ids=self.input_ids[:n], positions=self.positions[:n],
+            out_cache_loc=self.out_cache_loc[:n], req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs], prefix_lens=self.prefix_lens[:bs],
+            extend_lens=torch.full((bs,), t, dtype=torch.int64, device=dev),
+            seq_lens_cpu=None, prefix_lens_cpu=None, extend_lens_cpu=None, max_extend=t,
+            logits_indices=torch.arange(n, device=dev), attn_backend=self.attn_backend,
+            tree_mask=self.tree_mask[:n * t] if self.tree_mask is not None else None,
+            tree_mask_starts=torch.arange(bs, device=dev) * t * t if t > 1 else None,
+            capture_hidden=self.capture_hidden)
 
-    def _run(self, batch: ForwardBatch) -> torch.Tensor:
+    def _run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         self.attn_backend.init_forward_metadata(batch)
-        return self.model.compute_logits(self.model(batch.input_ids, batch.positions, batch))
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        return self.model.compute_logits(hidden), hidden, batch.captured_hidden
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -69,25 +82,37 @@ class CudaGraphRunner:
                 self.outputs[bs] = self._run(batch)
             self.pool = graph.pool()
             self.graphs[bs] = graph
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.buckets)
+        logger.info("captured CUDA graphs for %s batches of %d token(s) per request, batch sizes %s",
+                    self.mode.value, self.tokens, self.buckets)
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.forward_mode is ForwardMode.DECODE and batch.batch_size <= self.max_bs
+    def can_run(self, batch: ForwardBatch, scheduled: ScheduledBatch) -> bool:
+        t = self.tokens
+        return (batch.forward_mode is self.mode and batch.batch_size <= self.max_bs
+                and batch.capture_hidden == self.capture_hidden
+                and scheduled.logits_at_all_tokens == (t > 1) and all(e == t for e in scheduled.extend_lens))
 
-    def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [batch_size, vocab] for an eager-built decode batch."""
-        bs = batch.batch_size
+    def replay(self, batch: ForwardBatch):
+        """The ForwardOutput of an eager-built batch that `can_run`."""
+        from kestrel.runner.model_runner import ForwardOutput
+
+        bs, t = batch.batch_size, self.tokens
+        n = bs * t
         bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
-        self.input_ids[:bs].copy_(batch.input_ids)
-        self.positions[:bs].copy_(batch.positions)
-        self.out_cache_loc[:bs].copy_(batch.out_cache_loc)
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.out_cache_loc[:n].copy_(batch.out_cache_loc)
         self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
         self.seq_lens[:bs].copy_(batch.seq_lens)
-        if bucket > bs:  # padding: reserved row, slot 0, length 1
-            self.input_ids[bs:bucket].zero_()
-            self.positions[bs:bucket].zero_()
-            self.out_cache_loc[bs:bucket].zero_()
+        self.prefix_lens[:bs].copy_(batch.prefix_lens)
+        if self.tree_mask is not None:
+            self.tree_mask[:n * t].copy_(batch.tree_mask if batch.tree_mask is not None else self.causal.repeat(bs))
+        if bucket > bs:  # padding: reserved row, slot 0, one page of length t
+            self.input_ids[n:bucket * t].zero_()
+            self.positions[n:bucket * t].zero_()
+            self.out_cache_loc[n:bucket * t].zero_()
             self.req_pool_indices[bs:bucket].fill_(self.padding_row)
-            self.seq_lens[bs:bucket].fill_(1)
+            self.seq_lens[bs:bucket].fill_(t)
+            self.prefix_lens[bs:bucket].zero_()
         self.graphs[bucket].replay()
-        return self.outputs[bucket][:bs]
+        logits, hidden, captured = self.outputs[bucket]
+        return ForwardOutput(logits[:n], hidden[:n], captured[:n] if captured is not None else None)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kestrel.config import EngineConfig
 from kestrel.core.request import Request
-from kestrel.server.messages import (AbortRequests, AddRequests, Admission, EngineFailed, EngineReady, EngineStats,
+from kestrel.server.messages import (AbortRequests, AddRequests, Admission, EngineFailed, EngineReady,
                                      Shutdown, StepOutput, TokenDelta)
 
 if TYPE_CHECKING:
@@ -42,8 +42,8 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, log
         logger.debug("model load failed", exc_info=True)
         outbox.send(EngineFailed(f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from None
-    outbox.send(EngineReady(pid=os.getpid(), vocab_size=engine.vocab_size, max_req_len=engine.runner.max_req_len,
-                            max_total_tokens=engine.runner.allocator.size,
+    outbox.send(EngineReady(pid=os.getpid(), vocab_size=engine.vocab_size, max_req_len=engine.max_req_len,
+                            max_total_tokens=engine.kv_memory.allocator.size,
                             context_length=engine.config.model.context_length))
     EngineLoop(engine, inbox, outbox).run()
 
@@ -134,12 +134,5 @@ class EngineLoop:
             prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
 
     def _send_stats(self) -> None:
-        engine = self.engine
-        sched, alloc, radix = engine.scheduler, engine.runner.allocator, engine.radix
-        free = alloc.available_size() + radix.evictable_size()
-        self.outbox.send(EngineStats(
-            num_running=len(sched.running) + (sched.chunked is not None), num_waiting=len(sched.waiting),
-            num_used_tokens=alloc.size - free, num_evictable_tokens=radix.evictable_size(),
-            max_total_tokens=alloc.size,
-            num_retractions=sched.num_retractions))
+        self.outbox.send(self.engine.stats())
         self.last_stats = time.monotonic()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kestrel.core.outputs import EngineStats  # noqa: F401  (sent as it is: Engine.stats())
 from kestrel.core.sampling_params import SamplingParams
 
 
@@ -79,20 +80,6 @@ class TokenDelta:
     error: str | None = None  # the engine's message when finish_reason is "error" (a failed step)
     prompt_tokens: int = 0
     cached_tokens: int = 0
-
-
-@dataclass
-class EngineStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_used_tokens: int = 0  # KV slots held by live requests (cached, unlocked prefixes count as free)
-    num_evictable_tokens: int = 0  # KV slots holding unlocked radix-cache prefixes
-    max_total_tokens: int = 0
-    num_retractions: int = 0
-
-    @property
-    def token_usage(self) -> float:
-        return self.num_used_tokens / self.max_total_tokens if self.max_total_tokens else 0.0
 
 
 @dataclass

@@ -44,7 +44,7 @@ def hf_greedy(model_path: str, prompts: list[list[int]], max_new_tokens: int) ->
 
 def assert_pool_full(engine) -> None:
     """Every KV slot is free or held by an unlocked radix node, and eviction gives all back."""
-    alloc, radix = engine.runner.allocator, engine.radix
+    alloc, radix = engine.kv_memory.allocator, engine.radix
     alloc.check()
     assert radix.protected_size() == 0
     assert alloc.available_size() + radix.evictable_size() == alloc.size

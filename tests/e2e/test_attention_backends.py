@@ -123,7 +123,7 @@ def test_unknown_or_unavailable_backends_fail_at_start_up(tiny_model, monkeypatc
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="valid choices: torch_native, triton, sdpa"):
         config(model, decode_attention_backend="flash")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr("kestrel.envs._TRITON_INTERPRET", False)  # as if unset when kestrel was imported
     with pytest.raises(ValueError, match="'triton' \\(from prefill_attention_backend\\) cannot run here: .*CUDA"):
         Engine(model=model, device="cpu", prefill_attention_backend="triton")
 

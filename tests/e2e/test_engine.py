@@ -111,7 +111,7 @@ def test_known_lengths_share_a_tight_pool_without_retraction(tiny_model):
         while engine.has_work():
             engine.step()
             most_running = max(most_running, len(engine.scheduler.running))
-        assert [engine.output(engine._pop(rid)).token_ids for rid in rids] == roomy
+        assert [engine.output(engine.pop(rid)).token_ids for rid in rids] == roomy
         assert engine.scheduler.num_retractions == 0
         assert most_running == 160 // (16 + 32)
         assert_pool_full(engine)
@@ -145,7 +145,7 @@ def test_abort_frees_kv_and_others_finish(tiny_model):
         assert not engine.abort("no-such-request")
         while engine.has_work():
             engine.step()
-        outs = {rid: engine.output(engine._pop(rid)) for rid in rids}
+        outs = {rid: engine.output(engine.pop(rid)) for rid in rids}
         assert outs[rids[1]].meta["finish_reason"] == "abort"
         assert all(len(outs[r].token_ids) == 20 for r in rids if r != rids[1])
         assert_pool_full(engine)
@@ -267,7 +267,7 @@ def test_overlap_schedule_really_launches_ahead(tiny_model):
         with Engine(model=model, device="cpu", dtype="float32", disable_overlap_schedule=disable) as engine:
             rid = engine.add_request(prompt_token_ids=[5, 6, 7], sampling_params=params)
             engine.step()  # the prefill: with overlap its token is still pending after the step
-            req = engine._reqs[rid]
+            req = engine.request(rid)
             assert len(req.output_ids) == got_first and len(req.pending) == 1 - got_first
             steps = 1
             while engine.has_work():
@@ -290,7 +290,7 @@ def test_abort_reaches_a_request_whose_last_token_is_in_flight(tiny_model):
         assert engine.abort(rid)
         while engine.has_work():
             engine.step()
-        out = engine.output(engine._pop(rid))
+        out = engine.output(engine.pop(rid))
         assert out.meta["finish_reason"] == "abort" and len(out.token_ids) == 1
         assert not engine.scheduler.finishing
         assert_pool_full(engine)

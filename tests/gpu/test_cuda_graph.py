@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kestrel import Engine, SamplingParams
+from kestrel.core.forward_mode import ForwardMode
 from tests.e2e.test_engine import prompts_with_shared_prefixes
 from tests.tiny_models import make_tiny_model
 
@@ -16,7 +17,7 @@ def test_graph_replay_equals_eager_logits(tmp_path):
     with Engine(model=model, device="cuda", dtype="bfloat16", attention_backend="triton",
                 max_total_tokens=8192, cuda_graph_max_bs=16, disable_overlap_schedule=True) as e:
         runner = e.runner
-        assert runner.cuda_graphs is not None
+        graphs = runner.cuda_graphs[(ForwardMode.DECODE, 1)]
         params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
         for p in prompts_with_shared_prefixes(5, seed=9):
             e.add_request(prompt_token_ids=p, sampling_params=params)
@@ -24,7 +25,7 @@ def test_graph_replay_equals_eager_logits(tmp_path):
         batch = e.scheduler.schedule()
         assert batch.mode.name == "DECODE" and len(batch.reqs) == 5  # a bucket of 8 with 3 padding rows
         fb = runner.build_batch(batch)
-        graph_logits = runner.cuda_graphs.replay(fb).clone()
+        graph_logits = graphs.replay(fb).logits.clone()
         runner.attn_backend.init_forward_metadata(fb)
         with torch.inference_mode():
             eager = runner.model.compute_logits(runner.model(fb.input_ids, fb.positions, fb))
@@ -34,9 +35,9 @@ def test_graph_replay_equals_eager_logits(tmp_path):
         assert (graph_logits.argmax(-1) == eager.argmax(-1)).all()
         # Finish the step by hand as the engine would, so the requests' KV bookkeeping stays whole.
         tokens = graph_logits.argmax(-1)
-        futures = runner.future_tokens.put(tokens)
+        futures = [[f] for f in runner.future_tokens.put(tokens)]
         e.scheduler.commit(batch, batch.reqs, futures)
-        e.scheduler.resolve(batch.reqs, futures, tokens.tolist())
+        e.scheduler.resolve(batch.reqs, [[t] for t in tokens.tolist()], futures)
 
 
 def test_graphs_on_and_off_give_the_same_tokens_fp32(tmp_path):
@@ -47,7 +48,7 @@ def test_graphs_on_and_off_give_the_same_tokens_fp32(tmp_path):
     for disable in (False, True):
         with Engine(model=model, device="cuda", dtype="float32", attention_backend="triton",
                     max_total_tokens=8192, disable_cuda_graph=disable) as e:
-            assert (e.runner.cuda_graphs is None) == disable
+            assert (not e.runner.cuda_graphs) == disable
             outs.append([o.token_ids for o in e.generate(prompt_token_ids=prompts, sampling_params=params)])
     assert outs[0] == outs[1]
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from kestrel.attention.torch_native import TorchNativeBackend
-from kestrel.cache.kv_pool import KVPool
+from kestrel.cache.kv_memory import KVPools
 from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.core.forward_mode import ForwardMode
@@ -40,8 +40,7 @@ class Harness:
     def __init__(self, model: torch.nn.Module, num_requests: int) -> None:
         cfg = model.config
         self.model = model
-        self.kv_pool = KVPool(cfg.num_hidden_layers, 512, cfg.num_key_value_heads, cfg.head_dim,
-                              next(model.parameters()).dtype, "cpu")
+        self.pools = KVPools(model.kv_layout(next(model.parameters()).dtype), 512, num_requests + 2, "cpu")
         self.req_to_token = ReqToTokenPool(num_requests + 1, 128, "cpu")
         self.rows = [self.req_to_token.alloc() for _ in range(num_requests)]
         self.lens = [0] * num_requests
@@ -65,8 +64,8 @@ class Harness:
             forward_mode=mode, input_ids=ids, positions=torch.tensor(positions), out_cache_loc=torch.cat(slots),
             req_pool_indices=torch.tensor(self.rows), seq_lens=torch.tensor(seq), prefix_lens=torch.tensor(prefix),
             extend_lens=torch.tensor(extend), seq_lens_cpu=seq, prefix_lens_cpu=prefix, extend_lens_cpu=extend,
-            logits_indices=torch.tensor(extend).cumsum(0) - 1,
-            attn_backend=TorchNativeBackend(self.kv_pool, self.req_to_token),
+            max_extend=max(extend), logits_indices=torch.tensor(extend).cumsum(0) - 1,
+            attn_backend=TorchNativeBackend(self.pools, self.req_to_token),
         )
         with torch.no_grad():
             logits = self.model.compute_logits(self.model(batch.input_ids, batch.positions, batch))

@@ -205,9 +205,8 @@ def test_load_tokenizer_missing(tmp_path):
 
 
 def test_eos_token_ids_reads_both_configs(tmp_path, tok_dir, tok):
-    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9, 11]}))
-    assert eos_token_ids(str(tmp_path), tok) == {7, 9, 11, tok.eos_token_id}
-    assert eos_token_ids(str(tmp_path), None) == {7, 9, 11}
-    # No config files (the tokenizer folder): just the tokenizer's eos.
-    assert eos_token_ids(str(tok_dir), tok) == {tok.eos_token_id}
+    assert eos_token_ids(str(tmp_path), tok, {"eos_token_id": 7}) == {7, 9, 11, tok.eos_token_id}
+    assert eos_token_ids(str(tmp_path), None, {"eos_token_id": 5}) == {5, 7, 9, 11}
+    # No generation config (the tokenizer folder) and none in config.json: just the tokenizer's eos.
+    assert eos_token_ids(str(tok_dir), tok, {}) == {tok.eos_token_id}

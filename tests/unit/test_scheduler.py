@@ -24,22 +24,22 @@ def test_retraction_makes_room_for_many_steps_and_re_estimates_the_ratio():
     futures = itertools.count()
     while scheduler.num_retractions == 0:
         assert scheduler.has_work(), "the pool never overflowed: make it smaller"
-        free = scheduler._free_tokens()
+        free = scheduler.kv.free_tokens()
         before = list(scheduler.running)
         batch = scheduler.schedule()
         sampled = [batch.reqs[i] for i in scheduler.sampling_rows(batch)]
-        ids = [next(futures) for _ in sampled]
+        ids = [[next(futures)] for _ in sampled]
         scheduler.commit(batch, sampled, ids)
-        scheduler.resolve(sampled, ids, [3] * len(ids))
+        scheduler.resolve(sampled, [[3]] * len(ids), ids)
     left = scheduler.running
     retracted = [r for r in before if r not in left]
     assert retracted and len(left) > 1
     # The pool could not hold one more decode step; now the requests left have room for the headroom
     # (less the step just taken), not just for the next step.
     assert free < len(before)
-    assert scheduler._free_tokens() >= (RETRACT_HEADROOM_STEPS - 1) * len(left)
+    assert scheduler.kv.free_tokens() >= (RETRACT_HEADROOM_STEPS - 1) * len(left)
     # The ones that had generated least went back to the queue.
     assert max(r.num_generated for r in retracted) <= min(r.num_generated for r in left)
     # The ratio starts from what the requests left have really used, not from the start value.
     used = sum(r.num_generated for r in left) / sum(r.params.max_new_tokens for r in left)
-    assert used <= scheduler.new_token_ratio <= used + RETRACT_HEADROOM_STEPS / params.max_new_tokens
+    assert used <= scheduler.budget.new_token_ratio <= used + RETRACT_HEADROOM_STEPS / params.max_new_tokens

@@ -1,11 +1,12 @@
 """The inner step shared by the extend and decode kernels: one block of a request's keys."""
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 
+from kestrel.envs import triton_jit
 
-@triton.jit
+
+@triton_jit
 def attend_block(q, K, V, req_to_token, row, stride_row, kv_head, stride_kt, stride_kh, stride_vt, stride_vh,
                  offs_n, n_mask, visible, offs_d, d_mask, m_i, l_i, acc, sm_scale,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):

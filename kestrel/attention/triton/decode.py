@@ -15,9 +15,10 @@ import triton
 import triton.language as tl
 
 from kestrel.attention.triton.common import attend_block
+from kestrel.envs import triton_jit
 
 
-@triton.jit
+@triton_jit
 def _decode_partial_kernel(
     Q, K, V, O, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens, K_new, V_new, new_slots,
     stride_knt, stride_vnt, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_row,
@@ -75,7 +76,7 @@ def _decode_partial_kernel(
         tl.store(mid_lse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
 
 
-@triton.jit
+@triton_jit
 def _decode_merge_kernel(
     mid_o, mid_lse, O, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ot, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,

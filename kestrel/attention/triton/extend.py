@@ -11,15 +11,17 @@ import triton
 import triton.language as tl
 
 from kestrel.attention.triton.common import attend_block
+from kestrel.envs import triton_jit
 
 
-@triton.jit
+@triton_jit
 def _extend_kernel(
-    Q, K, V, O, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts,
+    Q, K, V, O, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts, tree_mask, tree_starts,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_row,
     sm_scale, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -52,7 +54,14 @@ def _extend_kernel(
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
-            visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            if TREE:  # new tokens see the whole prefix and, among themselves, what the tree mask says
+                tree_start = tl.load(tree_starts + b)
+                rel = offs_n - prefix
+                bits = tl.load(tree_mask + tree_start + offs_m[:, None] * extend + rel[None, :],
+                               mask=m_mask[:, None] & (rel[None, :] >= 0) & n_mask[None, :], other=0)
+                visible = ((rel[None, :] < 0) | (bits != 0)) & n_mask[None, :]
+            else:
+                visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
             if USE_WINDOW:
                 visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
             m_i, l_i, acc = attend_block(q, K, V, req_to_token, row, stride_row, kv_head, stride_kt, stride_kh,
@@ -66,18 +75,22 @@ def _extend_kernel(
 def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                      extend_lens: torch.Tensor, q_starts: torch.Tensor, max_extend: int, sm_scale: float,
-                     sliding_window: int | None, upcast: bool, block_m: int = 64, block_n: int = 64) -> None:
-    """q/out: [T, num_heads, head_dim]; k_buf/v_buf: [slots, num_kv_heads, head_dim]; lens per request."""
+                     sliding_window: int | None, upcast: bool, tree_mask: torch.Tensor | None = None,
+                     tree_starts: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64) -> None:
+    """q/out: [T, num_heads, head_dim]; k_buf/v_buf: [slots, num_kv_heads, head_dim]; lens per request;
+    `tree_mask` / `tree_starts` as in ForwardBatch (None: causal among the new tokens)."""
+    tree = tree_mask is not None
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k_buf.shape[1]
     grid = (extend_lens.shape[0], num_heads, triton.cdiv(max_extend, block_m))
     _extend_kernel[grid](
         q, k_buf, v_buf, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts,
+        tree_mask if tree else q_starts, tree_starts if tree else q_starts,  # unused without a tree
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0),
         sm_scale, sliding_window or 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None, UPCAST=upcast,
         # float32 stays float32 (TF32 would drift from the reference); half types use tensor cores.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TREE=tree,
     )

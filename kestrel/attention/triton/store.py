@@ -5,8 +5,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.envs import triton_jit
 
-@triton.jit
+
+@triton_jit
 def _store_kv_kernel(K, V, K_buf, V_buf, slots, stride_k, stride_v, stride_kb, stride_vb, width,
                      BLOCK: tl.constexpr):
     t = tl.program_id(0)
