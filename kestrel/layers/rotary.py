@@ -2,13 +2,24 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from kestrel.models.arch_config import RopeConfig
-
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters; `factor` etc. only mean something for the scaled rope types."""
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
 
 
 def inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:

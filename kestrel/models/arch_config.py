@@ -10,20 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kestrel.layers.rotary import RopeConfig
+
 # Differences between the Llama-family architectures that the config does not spell out.
 _QWEN_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters; `factor` etc. only mean something for the scaled rope types."""
-
-    rope_type: str = "default"
-    theta: float = 10000.0
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int | None = None
 
 
 @dataclass(frozen=True)

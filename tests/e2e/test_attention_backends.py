@@ -44,7 +44,7 @@ def test_greedy_tokens_identical_across_split_launches(tiny_model):
 def test_triton_rope_matches_torch_rope():
     from kestrel.layers.rope_triton import rope_triton
     from kestrel.layers.rotary import RotaryEmbedding
-    from kestrel.models.arch_config import RopeConfig
+    from kestrel.layers.rotary import RopeConfig
 
     rope = RotaryEmbedding(32, 64, RopeConfig(rope_type="default", theta=10000.0))
     positions = torch.tensor([0, 5, 63, 7])

@@ -57,7 +57,7 @@ def test_graphs_on_and_off_give_the_same_tokens_fp32(tmp_path):
 def test_triton_rope_equals_torch_rope(dtype):
     from kestrel.layers.rope_triton import rope_triton
     from kestrel.layers.rotary import RotaryEmbedding
-    from kestrel.models.arch_config import RopeConfig
+    from kestrel.layers.rotary import RopeConfig
 
     rope = RotaryEmbedding(128, 8192, RopeConfig(rope_type="llama3", theta=500000.0, factor=8.0,
                                                   original_max_position_embeddings=8192)).cuda()
