@@ -28,7 +28,7 @@ def test_cuda_bfloat16_with_memory_sized_pool(tmp_path):
     prompts = prompts_with_shared_prefixes(8, seed=5)
     with Engine(model=model, mem_fraction_static=0.3) as e:  # device and dtype resolve to cuda / bfloat16
         assert e.config.device == "cuda" and e.config.model.dtype == "bfloat16"
-        assert e.runner.allocator.size > 100_000
+        assert e.kv_memory.allocator.size > 100_000
         outs = e.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
         assert all(len(o.token_ids) == 16 for o in outs)
         again = e.generate(prompt_token_ids=prompts, sampling_params=PARAMS)

@@ -101,7 +101,7 @@ def test_verify_graph_equals_eager(tmp_path):
                 mask[node, parent] = True
                 parent = parents[parent]
         batch.tree_mask = mask.flatten().repeat(3)
-        batch.positions = [p + d for p, (i, d) in zip(batch.positions, enumerate([0, 1, 1, 2] * 3))]
+        batch.positions = [batch.prefix_lens[i // 4] + d for i, d in enumerate([0, 1, 1, 2] * 3)]
         batch.input_ids = [t if i % 4 == 0 else 100 + i for i, t in enumerate(batch.input_ids)]
         batch.logits_at_all_tokens = True
         graph = e.runner.cuda_graphs[(ForwardMode.TARGET_VERIFY, 4)]
