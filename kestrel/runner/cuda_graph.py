@@ -42,6 +42,10 @@ class CudaGraphRunner:
         self.prefix_lens = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.causal = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril().flatten()
         self.tree_mask = self.causal.repeat(max_bs) if tokens > 1 else None
+        # Fixed by the shape, but the graphs read them: they must live as long as the graphs do.
+        self.extend_lens = torch.full((max_bs,), tokens, dtype=torch.int64, device=device)
+        self.tree_starts = torch.arange(max_bs, device=device) * tokens * tokens
+        self.logits_indices = torch.arange(n, device=device)
         self.padding_row = padding_row
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
@@ -49,19 +53,19 @@ class CudaGraphRunner:
         self._capture_all()
 
     def _batch(self, bs: int) -> ForwardBatch:
-        t, dev = self.tokens, self.input_ids.device
+        t = self.tokens
         n = bs * t
-        # Kernels read the static buffers, refreshed each replay; extend_lens and the row indices are
-        # fixed by the shape, so they are built once here.
+        # Kernels read the static buffers, refreshed each replay (extend_lens, the tree starts and the
+        # logits rows are fixed by the shape).
         return ForwardBatch(
             forward_mode=self.mode, input_ids=self.input_ids[:n], positions=self.positions[:n],
             out_cache_loc=self.out_cache_loc[:n], req_pool_indices=self.req_pool_indices[:bs],
             seq_lens=self.seq_lens[:bs], prefix_lens=self.prefix_lens[:bs],
-            extend_lens=torch.full((bs,), t, dtype=torch.int64, device=dev),
+            extend_lens=self.extend_lens[:bs],
             seq_lens_cpu=None, prefix_lens_cpu=None, extend_lens_cpu=None, max_extend=t,
-            logits_indices=torch.arange(n, device=dev), attn_backend=self.attn_backend,
+            logits_indices=self.logits_indices[:n], attn_backend=self.attn_backend,
             tree_mask=self.tree_mask[:n * t] if self.tree_mask is not None else None,
-            tree_mask_starts=torch.arange(bs, device=dev) * t * t if t > 1 else None,
+            tree_mask_starts=self.tree_starts[:bs] if t > 1 else None,
             capture_hidden=self.capture_hidden)
 
     def _run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
