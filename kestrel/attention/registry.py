@@ -151,13 +151,12 @@ def resolve_sources(config: "EngineConfig") -> tuple[HalfSource, HalfSource]:
 
 
 def _check_model_fit(name: str, source: str, v4_model: bool) -> None:
-    v4_names = sorted(n for n, e in REGISTRY.items() if e.dsv4)
-    if v4_model and not REGISTRY[name].dsv4:
-        raise ValueError(f"attention backend {name!r} (from {source}) cannot run DeepSeek-V4's sparse attention; "
-                         f"use one of: {', '.join(v4_names)}")
-    if not v4_model and REGISTRY[name].dsv4:
-        raise ValueError(f"attention backend {name!r} (from {source}) serves only DeepSeek-V4 models; "
-                         f"use one of: {', '.join(sorted(n for n, e in REGISTRY.items() if not e.dsv4))}")
+    """The split-backend rule for DeepSeek-V4: each half's backend must match the model's attention kind."""
+    if REGISTRY[name].dsv4 == v4_model:
+        return
+    fitting = ", ".join(sorted(n for n, e in REGISTRY.items() if e.dsv4 == v4_model))
+    what = "cannot run DeepSeek-V4's sparse attention" if v4_model else "serves only DeepSeek-V4 models"
+    raise ValueError(f"attention backend {name!r} (from {source}) {what}; use one of: {fitting}")
 
 
 def attention_backends(config: "EngineConfig") -> AttentionBackends:

@@ -52,7 +52,10 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
         model = cls(cfg, kernels)
     own_loader = hasattr(model, "load_checkpoint")
     if load_format == "dummy":
-        model.fill_dummy() if own_loader else _fill_random(model)
+        if own_loader:
+            model.fill_dummy()
+        else:
+            _fill_random(model)
         return model.eval()
     if own_loader:
         model.load_checkpoint(_checkpoint_tensors(Path(model_path)), str(model_path))

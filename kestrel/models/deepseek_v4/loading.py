@@ -2,7 +2,8 @@
 
 Two namings: DeepSeek's native one (`embed.weight`, `layers.N.attn.wq_a.weight`, `.scale` for block
 scales, `ffn.experts.E.w1.weight`, `mtp.0.*`), which is the model's own, and transformers' (`model.`
-prefix, `self_attn.q_a_proj`, `mlp.experts.gate_up_proj` stacked, `.weight_scale_inv`).
+prefix, `self_attn.q_a_proj`, `mlp.experts.gate_up_proj` stacked, `.weight_scale_inv`), including the
+mix its save_pretrained writes (native names under `model.`, `attn.norm` for the kv norm).
 Quantised weights: FP8 e4m3 with one scale per 128 x 128 block (fp32 or ue8m0), and FP4 e2m1 packed
 two per byte (low nibble first) with one e8m0 scale per 32 inputs (the routed experts of V4-Flash).
 A weight and its scale may sit in different shards: whichever comes first waits for the other.
@@ -26,7 +27,7 @@ _FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 
 # transformers' names -> native names, applied in order to a name without its "model." prefix.
 _HF_RENAMES = [
-    (r"^embed_tokens\.", "embed."), (r"^lm_head\.", "head."), (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"^embed_tokens\.", "embed."), (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
     (r"\.input_layernorm\.", ".attn_norm."), (r"\.post_attention_layernorm\.", ".ffn_norm."),
     (r"\.attn_hc\.(fn|base|scale)$", r".hc_attn_\1"), (r"\.ffn_hc\.(fn|base|scale)$", r".hc_ffn_\1"),
     (r"\.self_attn\.compressor\.indexer\.scorer\.", ".attn.indexer."),
@@ -42,6 +43,9 @@ _HF_RENAMES = [
     (r"\.experts\.gate_up_proj$", ".experts.w13"), (r"\.experts\.down_proj$", ".experts.w2"),
     (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."), (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
     (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
+    # What transformers' save_pretrained writes: native names under "model.", but its reverse of the
+    # load-time rename ".norm." -> ".kv_norm." turns the attention's kv_norm into "attn.norm".
+    (r"\.attn\.norm\.", ".attn.kv_norm."),
 ]
 _EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
 # Copies of the shared embedding / head that some MTP exports carry.
@@ -50,6 +54,8 @@ _SHARED_COPIES = re.compile(r"^mtp\.\d+\.(emb\.tok_emb|head)\.weight$")
 
 def native_name(name: str) -> str:
     """The native name of a checkpoint tensor in either naming (scale suffixes kept)."""
+    if name.startswith("lm_head."):  # transformers' head sits outside "model."
+        return "head." + name.removeprefix("lm_head.")
     if not name.startswith("model."):
         return name
     name = name.removeprefix("model.")
