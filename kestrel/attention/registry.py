@@ -34,6 +34,7 @@ class BackendEntry:
     library: tuple[str, str] | None = None  # (package, minimum version) the backend needs
     cuda_graph: bool = False  # its decode path can be captured (no host reads of per-batch values)
     serves: frozenset[str] = field(default_factory=lambda: frozenset({"prefill", "decode"}))
+    dsv4: bool = False  # serves DeepSeek-V4's window + compressed sparse attention, and only that
 
 
 REGISTRY: dict[str, BackendEntry] = {}
@@ -71,6 +72,15 @@ def _triton(pools, req_to_token, config):
     return "triton", TritonBackend(pools, req_to_token, upcast=config.device == "cpu", name="triton")
 
 
+# Chunked prefill works (a step resumes from the per-request state); radix reuse does not, which the
+# model's KV layout says (`prefix_cache_unsupported`). Per-batch host lengths: no CUDA graphs.
+@register("dsv4", unavailable=lambda config: None, dsv4=True)
+def _dsv4(pools, req_to_token, config):
+    from kestrel.attention.dsv4 import DSV4Backend
+
+    return "dsv4", DSV4Backend(pools, req_to_token, name="dsv4")
+
+
 # ---- resolution ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AttentionBackends:
@@ -98,16 +108,28 @@ def canonical(name: str) -> str:
     return name
 
 
+def _model_needs_dsv4(config: "EngineConfig") -> bool:
+    from kestrel.config import read_hf_config
+    from kestrel.models.registry import needs_dsv4_attention
+
+    hf = config.model.hf_config if config.model.hf_config is not None else read_hf_config(config.model.model)
+    return needs_dsv4_attention(hf.get("architectures") or [])
+
+
 def default_backend(config: "EngineConfig") -> str:
-    """Triton on CUDA when it is installed; the portable reference everywhere else."""
+    """dsv4 for DeepSeek-V4; else Triton on CUDA when it is installed; the portable reference everywhere else."""
+    if _model_needs_dsv4(config):
+        return "dsv4"
     if config.device != "cpu" and REGISTRY["triton"].unavailable(config) is None:
         return "triton"
     return "torch_native"
 
 
 def resolve_sources(config: "EngineConfig") -> tuple[HalfSource, HalfSource]:
-    """Each half = its own field, else the base, else the default for this device and model."""
+    """Each half = its own field, else the base, else the default for this device and model.
+    A DeepSeek-V4 model needs a V4-capable backend for both halves, and other models a non-V4 one."""
     a = config.attention
+    v4_model = _model_needs_dsv4(config)
     halves = []
     for phase, own_field in (("prefill", "prefill_attention_backend"), ("decode", "decode_attention_backend")):
         own = getattr(a, own_field)
@@ -124,8 +146,18 @@ def resolve_sources(config: "EngineConfig") -> tuple[HalfSource, HalfSource]:
             raise ValueError(f"attention backend {name!r} (from {source}) cannot run here: {reason}")
         if phase not in entry.serves:
             raise ValueError(f"attention backend {name!r} (from {source}) cannot serve {phase}")
+        _check_model_fit(name, source, v4_model)
         halves.append(HalfSource(name, source, given))
     return halves[0], halves[1]
+
+
+def _check_model_fit(name: str, source: str, v4_model: bool) -> None:
+    """The split-backend rule for DeepSeek-V4: each half's backend must match the model's attention kind."""
+    if REGISTRY[name].dsv4 == v4_model:
+        return
+    fitting = ", ".join(sorted(n for n, e in REGISTRY.items() if e.dsv4 == v4_model))
+    what = "cannot run DeepSeek-V4's sparse attention" if v4_model else "serves only DeepSeek-V4 models"
+    raise ValueError(f"attention backend {name!r} (from {source}) {what}; use one of: {fitting}")
 
 
 def attention_backends(config: "EngineConfig") -> AttentionBackends:
@@ -142,6 +174,7 @@ def draft_attention_backends(config: "EngineConfig") -> AttentionBackends:
     reason = REGISTRY[name].unavailable(config)
     if reason is not None:
         raise ValueError(f"draft attention backend {name!r} cannot run here: {reason}")
+    _check_model_fit(name, "speculative_draft_attention_backend", _model_needs_dsv4(config))
     return AttentionBackends(prefill=name, decode=name)
 
 

@@ -1,6 +1,7 @@
 """Engine: offline generation in-process. Owns tokenizer, scheduler, model runner and sampler."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import numbers
@@ -68,6 +69,10 @@ class Engine:
         # ---- KV memory: the engine's, shaped by the model ----------------------------------------
         sched = config.scheduler
         layouts = [model.kv_layout(dtype)]
+        if layouts[0].prefix_cache_unsupported and not config.cache.disable_radix_cache:
+            logger.warning("prefix caching is off for this model: %s", layouts[0].prefix_cache_unsupported)
+            config = self.config = dataclasses.replace(
+                config, cache=dataclasses.replace(config.cache, disable_radix_cache=True))
         size = pool_size(config.cache, layouts, sched.max_running_requests, self.device)
         self.kv_memory = KVMemory(layouts, size, config.cache.page_size, sched.max_running_requests,
                                   config.model.context_length, self.device)

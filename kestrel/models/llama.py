@@ -17,7 +17,7 @@ from kestrel.layers.kernels import Kernels
 from kestrel.layers.linear import MergedLinear
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import RotaryEmbedding
-from kestrel.models.arch_config import ArchConfig
+from kestrel.models.arch_config import ArchConfig, parse_arch_config
 
 
 class LlamaAttention(nn.Module):
@@ -108,6 +108,7 @@ class LlamaForCausalLM(nn.Module):
     """forward: input_ids [T], positions [T] -> final-normed hidden [T, hidden];
     compute_logits: hidden [N, hidden] -> float32 logits [N, vocab]."""
 
+    parse_config = staticmethod(parse_arch_config)
     # Checkpoint projection → (merged module, shard index), for the loader.
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}

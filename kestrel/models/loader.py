@@ -11,7 +11,6 @@ from safetensors import safe_open
 from torch import nn
 
 from kestrel.layers.kernels import Kernels
-from kestrel.models.arch_config import ArchConfig, parse_arch_config
 from kestrel.models.registry import model_class
 
 # Buffers some checkpoints store that kestrel recomputes (rope frequencies).
@@ -25,10 +24,11 @@ def read_config(model_path: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-def read_arch_config(model_path: str | Path) -> ArchConfig:
-    """What the engine needs to size the KV cache and stop generation (layers, KV heads, head dim,
-    vocab, eos ids), without building the model."""
-    return parse_arch_config(read_config(model_path))
+def read_arch_config(model_path: str | Path):
+    """The model's architecture config (its class's `parse_config`: an ArchConfig for the Llama family,
+    a V4Config for DeepSeek-V4), without building the model."""
+    config = read_config(model_path)
+    return model_class(config.get("architectures") or []).parse_config(config)
 
 
 def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device | str,
@@ -40,17 +40,26 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
     `load_format="dummy"` fills random weights instead (benchmarks of a config-only folder).
     `kernels` picks Triton or torch implementations of rope, norms and activations.
     `hf_config` is the folder's config.json when the caller has read it already.
+    A model class with its own `load_checkpoint` / `fill_dummy` (DeepSeek-V4: other namings, FP8/FP4
+    dequantisation) fills itself from the same tensor stream.
     Raises ValueError listing missing or unexpected parameter names.
     """
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     config = hf_config if hf_config is not None else read_config(model_path)
     cls = model_class(config.get("architectures") or [])
-    cfg = parse_arch_config(config)
+    cfg = cls.parse_config(config)
     with torch.device(device), _default_dtype(dtype):
         model = cls(cfg, kernels)
+    own_loader = hasattr(model, "load_checkpoint")
     if load_format == "dummy":
-        _fill_random(model)
+        if own_loader:
+            model.fill_dummy()
+        else:
+            _fill_random(model)
+        return model.eval()
+    if own_loader:
+        model.load_checkpoint(_checkpoint_tensors(Path(model_path)), str(model_path))
         return model.eval()
     params = dict(model.named_parameters())
     loaded: set[str] = set()

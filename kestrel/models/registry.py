@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from torch import nn
 
+from kestrel.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from kestrel.models.llama import LlamaForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -24,3 +26,9 @@ def model_class(architectures: list[str]) -> type[nn.Module]:
             return _MODELS[name]
     raise ValueError(f"unsupported model architectures {architectures}; "
                      f"supported: {', '.join(supported_architectures())}")
+
+
+def needs_dsv4_attention(architectures: list[str]) -> bool:
+    """DeepSeek-V4's sliding-window + compressed sparse attention runs only on a V4-capable backend
+    (and such a backend serves nothing else)."""
+    return model_class(architectures) is DeepseekV4ForCausalLM

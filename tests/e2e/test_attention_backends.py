@@ -121,7 +121,7 @@ def test_draft_resolution_uses_override_for_both_halves(tiny_model):
 
 def test_unknown_or_unavailable_backends_fail_at_start_up(tiny_model, monkeypatch):
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="valid choices: torch_native, triton, sdpa"):
+    with pytest.raises(ValueError, match="valid choices: dsv4, torch_native, triton, sdpa"):
         config(model, decode_attention_backend="flash")
     monkeypatch.setattr("kestrel.envs._TRITON_INTERPRET", False)  # as if unset when kestrel was imported
     with pytest.raises(ValueError, match="'triton' \\(from prefill_attention_backend\\) cannot run here: .*CUDA"):

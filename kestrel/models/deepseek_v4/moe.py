@@ -1,0 +1,85 @@
+"""V4's MoE sublayer (spec §4): every layer is MoE; the first `num_hash_layers` route by a fixed
+token-id table, the others by top-k of the scores plus a selection-only bias. Routed and shared
+experts are SwiGLU with the same clamp; the routed weights are renormalised and scaled."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kestrel.models.deepseek_v4.config import V4Config
+
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
+    """W2 (SiLU(min(W1 x, L)) * clamp(W3 x, -L, L))."""
+    return (F.silu((x @ w1.T).clamp(max=limit)) * (x @ w3.T).clamp(-limit, limit)) @ w2.T
+
+
+def expert_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    if scoring_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if scoring_func == "sigmoid":
+        return logits.sigmoid()
+    return logits.softmax(dim=-1)
+
+
+class Gate(nn.Module):
+    """`weight` [E, d]; `bias` (learned routing) or the `tid2eid` table [vocab, k] (hash routing)."""
+
+    def __init__(self, cfg: V4Config, hash_routing: bool) -> None:
+        super().__init__()
+        self.cfg, self.hash_routing = cfg, hash_routing
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
+        if hash_routing:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.int64))
+        else:
+            self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k], weights [T, k] float32)."""
+        scores = expert_scores(x.float() @ self.weight.T, self.cfg.scoring_func)
+        if self.hash_routing:
+            ids = self.tid2eid[input_ids]
+        else:  # the bias picks the experts but does not weight them
+            ids = (scores + self.bias).topk(self.cfg.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, ids)
+        return ids, weights / weights.sum(-1, keepdim=True) * self.cfg.routed_scaling_factor
+
+
+class Experts(nn.Module):
+    """All routed experts of a layer stacked: `w13` [E, 2I, d] (w1 rows, then w3 rows), `w2` [E, d, I]."""
+
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__()
+        E, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+        self.w13 = nn.Parameter(torch.zeros(E, 2 * inter, cfg.hidden_size))
+        self.w2 = nn.Parameter(torch.zeros(E, cfg.hidden_size, inter))
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.hidden_size, cfg.moe_intermediate_size, bias=False)
+        self.w2 = nn.Linear(cfg.moe_intermediate_size, cfg.hidden_size, bias=False)
+        self.w3 = nn.Linear(cfg.hidden_size, cfg.moe_intermediate_size, bias=False)
+
+
+class V4MoE(nn.Module):
+    def __init__(self, cfg: V4Config, hash_routing: bool) -> None:
+        super().__init__()
+        self.limit = cfg.swiglu_limit
+        self.gate = Gate(cfg, hash_routing)
+        self.experts = Experts(cfg)
+        self.shared_experts = SharedExpert(cfg)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x, input_ids)
+        sh = self.shared_experts
+        out = swiglu(x, sh.w1.weight, sh.w3.weight, sh.w2.weight, self.limit).float()
+        w1, w3 = self.experts.w13.chunk(2, dim=1)
+        # Token-by-expert loop over the experts actually hit: the torch path, not the GPU's grouped GEMM.
+        for expert in ids.unique().tolist():
+            token, slot = (ids == expert).nonzero(as_tuple=True)
+            y = swiglu(x[token], w1[expert], w3[expert], self.experts.w2[expert], self.limit)
+            out.index_add_(0, token, y.float() * weights[token, slot, None])
+        return out.to(x.dtype)

@@ -1,0 +1,37 @@
+"""The MTP (next-n) layer (spec §5): target streams at t + embedding of token t+1 -> draft for t+2.
+
+A full block (its attention sliding-window only in the released models, its MoE never hash-routed)
+between the combine and its own hc_head + norm; embedding and lm head are the target's.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kestrel.core.forward_batch import ForwardBatch
+from kestrel.layers.norm import RMSNorm
+from kestrel.models.deepseek_v4.config import V4Config
+from kestrel.models.deepseek_v4.mhc import hc_head, hc_site_params
+from kestrel.models.deepseek_v4.block import V4Block
+
+
+class MTPLayer(V4Block):
+    """Layer id num_hidden_layers: its attention has its own sliding-window ring in the KV layout."""
+
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__(cfg, cfg.num_hidden_layers, cfg.mtp_compress_ratio, hash_routing=False)
+        d = cfg.hidden_size
+        self.e_proj = nn.Linear(d, d, bias=False)
+        self.h_proj = nn.Linear(d, d, bias=False)
+        self.enorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        hc_site_params(self, "hc_head", cfg, head=True)
+
+    def forward(self, streams: torch.Tensor, next_ids: torch.Tensor, next_embeds: torch.Tensor,
+                positions: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (final hidden [T, d], pre-hc_head streams [T, hc_mult, d])."""
+        # Per stream: h_proj(hnorm(X_i)) + e_proj(enorm(E[x_{t+1}])), the e-term broadcast to all streams.
+        X = self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(next_embeds)).unsqueeze(1)
+        X = super().forward(X, next_ids, positions, batch)
+        return self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg)), X

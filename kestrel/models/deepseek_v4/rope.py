@@ -1,0 +1,58 @@
+"""V4's rope: interleaved pairs on the last `rope_dim` dims, per-layer theta, optional YaRN (spec §2.1)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kestrel.models.deepseek_v4.config import V4Config, YarnConfig
+
+
+def rope_frequencies(rope_dim: int, theta: float, yarn: YarnConfig | None) -> torch.Tensor:
+    """float32 [rope_dim // 2]: theta^(-2k/r), blended towards /factor above the YaRN ramp. No mscale:
+    V4 keeps cos/sin unscaled and the softmax scale at head_dim^-1/2."""
+    k = torch.arange(rope_dim // 2, dtype=torch.float64)
+    omega = theta ** (-2 * k / rope_dim)
+    if yarn is None:
+        return omega.float()
+
+    def correction_dim(rotations: float) -> float:
+        return rope_dim * math.log(yarn.original_max_position_embeddings / (2 * math.pi * rotations)) / (
+            2 * math.log(theta))
+
+    lo = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    hi = min(math.ceil(correction_dim(yarn.beta_slow)), rope_dim - 1)
+    ramp = ((k - lo) / max(hi - lo, 1e-3)).clamp(0, 1)
+    return (omega * (1 - ramp) + omega / yarn.factor * ramp).float()
+
+
+class V4Rope(nn.Module):
+    """Rotates x [T, ..., D] at positions [T]: pairs (x[2k], x[2k+1]) of the last `rope_dim` dims turn
+    by position * omega_k (by -position * omega_k when `inverse`). Angles in float32, shape and dtype kept.
+    No cos/sin cache: at 1M positions it would be larger than the step's work."""
+
+    def __init__(self, rope_dim: int, theta: float, yarn: YarnConfig | None) -> None:
+        super().__init__()
+        self.rope_dim = rope_dim
+        self.register_buffer("omega", rope_frequencies(rope_dim, theta, yarn), persistent=False)
+
+    @classmethod
+    def for_ratio(cls, cfg: V4Config, ratio: int) -> "V4Rope":
+        """Sliding-only layers: rope_theta without YaRN; compressed layers: compress_rope_theta with YaRN."""
+        if ratio == 0:
+            return cls(cfg.qk_rope_head_dim, cfg.rope_theta, None)
+        return cls(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.yarn)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        r = self.rope_dim
+        angle = positions.float()[:, None] * self.omega[None, :]
+        cos, sin = angle.cos(), angle.sin()
+        if inverse:
+            sin = -sin
+        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (r // 2,)
+        cos, sin = cos.view(shape), sin.view(shape)
+        pairs = x[..., -r:].float().unflatten(-1, (r // 2, 2))
+        even, odd = pairs[..., 0], pairs[..., 1]
+        turned = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+        return torch.cat([x[..., :-r], turned.to(x.dtype)], dim=-1)
