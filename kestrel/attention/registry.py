@@ -34,6 +34,9 @@ class BackendEntry:
     library: tuple[str, str] | None = None  # (package, minimum version) the backend needs
     cuda_graph: bool = False  # its decode path can be captured (no host reads of per-batch values)
     serves: frozenset[str] = field(default_factory=lambda: frozenset({"prefill", "decode"}))
+    # What it can serve for a draft model (kestrel.spec.draft_backends): "decode", the multi-step draft
+    # decode (each step's lanes attend to the prefix and their own earlier draft tokens), and "extend".
+    draft_modes: frozenset[str] = field(default_factory=lambda: frozenset({"decode", "extend"}))
 
 
 REGISTRY: dict[str, BackendEntry] = {}
