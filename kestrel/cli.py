@@ -17,6 +17,15 @@ HELP = {
     "max_total_tokens": "KV pool size in tokens (default: from GPU memory; 32768 on CPU)",
     "chunked_prefill_size": "prefill tokens per step; -1 disables chunking",
     "attention_backend": "attention backend for both phases (e.g. torch_native)",
+    "speculative_algorithm": "EAGLE, EAGLE3, NEXTN, STANDALONE or NGRAM (as SGLang spells them)",
+    "speculative_draft_model_path": "the draft: an EAGLE/EAGLE-3 head or a small LM folder, or a bundled name "
+                                    "(demo-eagle, demo-draft); NEXTN defaults to the target",
+    "speculative_num_steps": "draft depth (set all three of steps/topk/draft tokens, or none for SGLang's choice)",
+    "speculative_eagle_topk": "branching of the draft tree (1: a chain); NGRAM: the largest branching",
+    "speculative_num_draft_tokens": "tree nodes sent to verify, the root included",
+    "speculative_disable_batch_size": "stop speculating above this many running requests (default 32)",
+    "speculative_draft_attention_backend": "one attention backend for every phase of the draft model",
+    "speculative_attention_mode": "prefill or decode: which half serves TARGET_VERIFY and DRAFT_EXTEND",
 }
 
 

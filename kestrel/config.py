@@ -60,7 +60,20 @@ class AttentionConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    speculative_algorithm: str | None = None
+    """SGLang's speculative flags; `kestrel.spec.resolve.resolve_speculative` fills and checks them."""
+
+    speculative_algorithm: str | None = None  # EAGLE, EAGLE3, NEXTN, STANDALONE or NGRAM
+    speculative_draft_model_path: str | None = None  # a folder or bundled name; NEXTN: the target's
+    # Draft depth, branching and tree size sent to verify (root included): all three or none.
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    # Above this many running requests the engine decodes without speculating. A verify carries
+    # num_draft_tokens tokens per request, so it stops being a memory-bound step (where extra tokens
+    # are nearly free) once batch x draft tokens reaches a few hundred: about 32 requests of 8 tokens
+    # for an 8B model on an H200 (~200 FLOPs per weight byte). Unmeasured yet (issue 14 asks for the
+    # H200 figure); set it higher to keep speculating, or 1 to speculate only for a lone request.
+    speculative_disable_batch_size: int = 32
     speculative_draft_attention_backend: str | None = None
     speculative_attention_mode: str = "prefill"  # which half serves TARGET_VERIFY / DRAFT_EXTEND
 
@@ -134,6 +147,8 @@ class EngineConfig:
         from kestrel.assets import resolve_model_path
         from kestrel.attention.decisions import extend_prefix_reuse, library_requirements
         from kestrel.attention.registry import attention_backends
+        from kestrel.spec.draft_backends import draft_backend_plan
+        from kestrel.spec.resolve import resolve_speculative
 
         if not self.model.model:
             raise ValueError("model is required: a Hugging Face model folder")
@@ -186,19 +201,18 @@ class EngineConfig:
         scheduler = dataclasses.replace(
             s, chunked_prefill_size=chunk, max_running_requests=s.max_running_requests or (1024 if on_gpu else 64))
 
-        if self.speculative.speculative_attention_mode not in ("prefill", "decode"):
-            raise ValueError("speculative_attention_mode must be 'prefill' or 'decode', "
-                             f"got {self.speculative.speculative_attention_mode!r}")
+        speculative = resolve_speculative(self.speculative, model_path, hf)
         if self.cuda_graph.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph.cuda_graph_max_bs}")
         if self.parallel.tp_size != 1:
             raise ValueError(f"tp_size must be 1 for now, got {self.parallel.tp_size}")
         out = dataclasses.replace(
-            self, device=device, cache=cache, scheduler=scheduler,
+            self, device=device, cache=cache, scheduler=scheduler, speculative=speculative,
             model=dataclasses.replace(self.model, model=model_path, dtype=dtype, context_length=context_length,
                                       hf_config=hf),
             resolved=True)
         attention_backends(out)  # unknown or unavailable backends fail here, at start-up
+        draft_backend_plan(out)  # so do draft backends that cannot serve a draft mode
         _check_library_floors(library_requirements(out))
         if not extend_prefix_reuse(out):
             # The prefill backend cannot attend over a cached prefix: no radix reuse, no chunking.

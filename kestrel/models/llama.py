@@ -21,11 +21,13 @@ from kestrel.models.arch_config import ArchConfig, parse_arch_config
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    """`input_size` defaults to the hidden size (EAGLE-3's draft layer reads a 2 x hidden input)."""
+
+    def __init__(self, cfg: ArchConfig, layer_id: int, rotary: RotaryEmbedding, input_size: int | None = None) -> None:
         super().__init__()
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
-                                     bias=cfg.qkv_bias)
+        self.qkv_proj = MergedLinear(input_size or cfg.hidden_size,
+                                     [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], bias=cfg.qkv_bias)
         self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
         self.o_proj = nn.Linear(heads * head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
         if cfg.qk_norm:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -61,14 +61,27 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
     if own_loader:
         model.load_checkpoint(_checkpoint_tensors(Path(model_path)), str(model_path))
         return model.eval()
-    params = dict(model.named_parameters())
+
+    def skip(name: str) -> bool:
+        return name.endswith(_HARMLESS_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight")
+
+    copy_checkpoint(model, model_path, cfg.architecture, skip)
+    return model.eval()
+
+
+def copy_checkpoint(model: nn.Module, model_path: str | Path, what: str, skip: Callable[[str], bool] = lambda n: False,
+                    rename: Callable[[str], str] = lambda n: n) -> None:
+    """Copy every checkpoint tensor into the parameter or persistent buffer of the same name (after
+    `rename`), except names `skip` accepts. Raises ValueError listing missing or unexpected names,
+    so a checkpoint loads whole or not at all."""
+    params = dict(model.state_dict(keep_vars=True))
     loaded: set[str] = set()
     unexpected: list[str] = []
     with torch.no_grad():
         for name, tensor in _checkpoint_tensors(Path(model_path)):
-            if name.endswith(_HARMLESS_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            if skip(name):
                 continue
-            target, rows = _destination(model, params, name)
+            target, rows = _destination(model, params, rename(name))
             if target is None:
                 unexpected.append(name)
                 continue
@@ -78,12 +91,25 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
             loaded.add(target)
     missing = sorted(_expected_keys(model, params) - loaded)
     if missing or unexpected:
-        raise ValueError(f"checkpoint at {model_path} does not match {cfg.architecture}: "
+        raise ValueError(f"checkpoint at {model_path} does not match {what}: "
                          f"missing {missing}, unexpected {sorted(unexpected)}")
-    return model.eval()
 
 
-def _destination(model: nn.Module, params: dict[str, nn.Parameter], name: str):
+def checkpoint_names(model_path: str | Path) -> list[str]:
+    """The tensor names of a checkpoint, read from the file headers only."""
+    return [name for name, _ in _checkpoint_tensors(Path(model_path), load=False)]
+
+
+def checkpoint_tensor(model_path: str | Path, name: str) -> torch.Tensor:
+    """One tensor of a checkpoint, by name; KeyError if it has none of that name."""
+    for file in _checkpoint_files(Path(model_path)):
+        with safe_open(str(Path(model_path) / file), framework="pt") as f:
+            if name in f.keys():
+                return f.get_tensor(name)
+    raise KeyError(f"no tensor {name!r} in the checkpoint at {model_path}")
+
+
+def _destination(model: nn.Module, params: dict[str, torch.Tensor], name: str):
     """(bookkeeping key, tensor view to copy into) for a checkpoint name, or (None, None)."""
     for part, (merged, shard_id) in getattr(model, "stacked_params", {}).items():
         if f".{part}." in name:
@@ -97,11 +123,11 @@ def _destination(model: nn.Module, params: dict[str, nn.Parameter], name: str):
     return (name, param.data) if param is not None else (None, None)
 
 
-def _expected_keys(model: nn.Module, params: dict[str, nn.Parameter]) -> set[str]:
-    """Every parameter name, with merged parameters expanded to one key per shard ("name#i")."""
+def _expected_keys(model: nn.Module, params: dict[str, torch.Tensor]) -> set[str]:
+    """Every parameter (and persistent buffer) name, merged parameters expanded to one key per shard ("name#i")."""
     keys = set()
     for name in params:
-        shards = getattr(model.get_submodule(name.rsplit(".", 1)[0]), "shard_sizes", None)
+        shards = getattr(model.get_submodule(name.rpartition(".")[0]), "shard_sizes", None)
         keys |= {f"{name}#{i}" for i in range(len(shards))} if shards else {name}
     return keys
 
@@ -128,16 +154,19 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _checkpoint_tensors(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor in `model.safetensors` or the shards of its index."""
-    index = model_path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (model_path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_path}")
-    for file in files:
+def _checkpoint_tensors(model_path: Path, load: bool = True) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """(name, CPU tensor) for every tensor in `model.safetensors` or the shards of its index; with
+    `load=False` the tensors are not read (None)."""
+    for file in _checkpoint_files(model_path):
         with safe_open(str(model_path / file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_tensor(name) if load else None
+
+
+def _checkpoint_files(model_path: Path) -> list[str]:
+    index = model_path / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if (model_path / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_path}")

@@ -31,4 +31,4 @@ def model_class(architectures: list[str]) -> type[nn.Module]:
 def needs_dsv4_attention(architectures: list[str]) -> bool:
     """DeepSeek-V4's sliding-window + compressed sparse attention runs only on a V4-capable backend
     (and such a backend serves nothing else)."""
-    return model_class(architectures) is DeepseekV4ForCausalLM
+    return "DeepseekV4ForCausalLM" in architectures

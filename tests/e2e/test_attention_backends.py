@@ -156,7 +156,8 @@ def test_each_decision_reads_its_half_under_split_only_configs(tiny_model, no_pr
     # CUDA graphs capture the decode half (+ the prefill half only when it serves verify).
     assert decisions.cuda_graph_backends(config(model, decode_attention_backend="triton")) == ["triton"]
     assert decisions.cuda_graph_backends(config(model, prefill_attention_backend="triton")) == ["torch_native"]
-    spec = {"speculative_algorithm": "EAGLE", "prefill_attention_backend": "triton"}
+    spec = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": model,
+            "prefill_attention_backend": "triton"}
     assert decisions.cuda_graph_backends(config(model, **spec)) == ["torch_native", "triton"]
     assert decisions.cuda_graph_backends(config(model, speculative_attention_mode="decode", **spec)) == \
         ["torch_native"]

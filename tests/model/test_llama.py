@@ -8,14 +8,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from kestrel.attention.torch_native import TorchNativeBackend
-from kestrel.cache.kv_memory import KVPools
-from kestrel.cache.req_to_token import ReqToTokenPool
-from kestrel.core.forward_batch import ForwardBatch
 from kestrel.core.forward_mode import ForwardMode
 from kestrel.models.arch_config import parse_arch_config
 from kestrel.models.loader import load_model, read_arch_config
 from kestrel.models.registry import model_class
+from tests.model.harness import Harness
 from tests.tiny_models import make_tiny_model
 
 PROMPT_LENS = (5, 11, 17)
@@ -32,44 +29,6 @@ CASES = {
     "llama3_rope": ("llama", dict(rope_parameters=LLAMA3_ROPE)),
     "llama_sharded": ("llama", dict(max_shard_size="40KB")),
 }
-
-
-class Harness:
-    """Runs a kestrel model on hand-built ForwardBatches, keeping each request's KV between calls."""
-
-    def __init__(self, model: torch.nn.Module, num_requests: int) -> None:
-        cfg = model.config
-        self.model = model
-        self.pools = KVPools(model.kv_layout(next(model.parameters()).dtype), 512, num_requests + 2, "cpu")
-        self.req_to_token = ReqToTokenPool(num_requests + 1, 128, "cpu")
-        self.rows = [self.req_to_token.alloc() for _ in range(num_requests)]
-        self.lens = [0] * num_requests
-        self.next_slot = 1  # slot 0 is reserved for padding
-
-    def step(self, chunks: list[list[int]], mode: ForwardMode = ForwardMode.EXTEND) -> list[torch.Tensor]:
-        """Feed `chunks[i]` as request i's next tokens; returns each request's logits [len, vocab]."""
-        prefix = list(self.lens)
-        extend = [len(c) for c in chunks]
-        seq = [p + e for p, e in zip(prefix, extend)]
-        positions, slots = [], []
-        for i, (p, e) in enumerate(zip(prefix, extend)):
-            new_slots = torch.arange(self.next_slot, self.next_slot + e)
-            self.next_slot += e
-            self.req_to_token.table[self.rows[i], p:p + e] = new_slots
-            positions += range(p, p + e)
-            slots.append(new_slots)
-        self.lens = seq
-        ids = torch.tensor([t for c in chunks for t in c])
-        batch = ForwardBatch(
-            forward_mode=mode, input_ids=ids, positions=torch.tensor(positions), out_cache_loc=torch.cat(slots),
-            req_pool_indices=torch.tensor(self.rows), seq_lens=torch.tensor(seq), prefix_lens=torch.tensor(prefix),
-            extend_lens=torch.tensor(extend), seq_lens_cpu=seq, prefix_lens_cpu=prefix, extend_lens_cpu=extend,
-            max_extend=max(extend), logits_indices=torch.tensor(extend).cumsum(0) - 1,
-            attn_backend=TorchNativeBackend(self.pools, self.req_to_token),
-        )
-        with torch.no_grad():
-            logits = self.model.compute_logits(self.model(batch.input_ids, batch.positions, batch))
-        return list(logits.split(extend))
 
 
 def _prompts(vocab: int, seed: int = 1) -> list[list[int]]:

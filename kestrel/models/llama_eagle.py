@@ -1,0 +1,238 @@
+"""EAGLE (1/2) and EAGLE-3 draft heads for Llama-family targets, in their public checkpoint layouts.
+
+EAGLE: `fc(cat(embed(token), feature))` -> one decoder layer without its input norm -> the target's lm_head.
+The feature at position p is the target's last hidden state after its final norm (or, during drafting,
+the head's own output at p). Checkpoint: `fc.weight` [H, 2H] (+ `fc.bias`), `layers.0.self_attn.*`,
+`layers.0.mlp.*`, `layers.0.post_attention_layernorm.weight`.
+
+EAGLE-3: `fc` maps 3 target layers' hidden states [T, 3 H_target] to H once (`project_target_hidden`);
+the layer reads `cat(input_layernorm(embed), hidden_norm(feature))` (2H) and the head has its own `norm`
+and `lm_head` over a draft vocabulary, mapped to target ids by `d2t` (target id = i + d2t[i]).
+Checkpoint: `fc.weight`, `midlayer.*` (vLLM's exports spell it `layers.0.*`), `norm.weight`,
+`lm_head.weight`, `d2t`, `t2d`; config `architectures: ["LlamaForCausalLMEagle3"]`.
+
+Both heads embed with the target's embedding (a checkpoint's own `embed_tokens.weight` is not used, as
+in SGLang) and return logits over the target vocabulary. The attention runs through the batch's
+backend like any kestrel layer (layer id 0 of the draft's own KV pools).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kestrel.core.forward_batch import ForwardBatch
+from kestrel.layers.kernels import Kernels
+from kestrel.layers.norm import RMSNorm
+from kestrel.layers.rotary import RotaryEmbedding
+from kestrel.models.arch_config import ArchConfig, parse_arch_config
+from kestrel.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from kestrel.models.loader import (_default_dtype, checkpoint_names, checkpoint_tensor, copy_checkpoint,
+                                   read_config)
+
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+_EAGLE3_MARKERS = ("midlayer.", "d2t", "layers.0.hidden_norm.")  # tensors only an EAGLE-3 head has
+# Exports of EAGLE heads carry tensors the head does not use: the target's embedding (the target's own is
+# used), EAGLE's never-applied layer-0 input norm, EAGLE-3's t2d (the inverse of d2t, checked, not kept).
+_UNUSED = {"EAGLE": ("embed_tokens.weight", "layers.0.input_layernorm.weight"),
+           "EAGLE3": ("embed_tokens.weight", "t2d")}
+
+
+@dataclass(frozen=True)
+class TargetParts:
+    """What a head borrows from its target: the embedding, and hidden -> float32 logits over the target
+    vocabulary (the target's lm_head; for a kestrel Llama, `model.compute_logits`)."""
+
+    embed_tokens: nn.Embedding
+    compute_logits: Callable[[torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def of(cls, target: LlamaForCausalLM) -> "TargetParts":
+        return cls(target.model.embed_tokens, target.compute_logits)
+
+
+class _EagleLayer(nn.Module):
+    """The head's decoder layer. EAGLE: the input goes straight into attention (no input norm).
+    EAGLE-3: attention reads `cat(input_layernorm(embeds), hidden_norm(feature))`."""
+
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, kernels: Kernels, eagle3: bool) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.self_attn = LlamaAttention(cfg, 0, rotary, input_size=2 * h if eagle3 else h)
+        self.mlp = LlamaMLP(cfg, kernels)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.eagle3 = eagle3
+        if eagle3:
+            self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+            self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, embeds: torch.Tensor | None,
+                batch: ForwardBatch) -> torch.Tensor:
+        """x: the layer's residual input [T, H] -> the residual stream after the layer (pre-norm)."""
+        attn_in = x if not self.eagle3 else torch.cat([self.input_layernorm(embeds), self.hidden_norm(x)], dim=-1)
+        hidden, residual = self.post_attention_layernorm(self.self_attn(positions, attn_in, batch), x)
+        return self.mlp(hidden) + residual
+
+
+class EagleHead(nn.Module):
+    """EAGLE-1/2 head. forward(input_ids [T], positions [T], features [T, H], batch) ->
+    (the head's feature at each position [T, H], float32 logits over the target vocabulary [T, V])."""
+
+    variant = "EAGLE"
+    target_hidden_layers: tuple[int, ...] | None = None  # the target's final-normed last hidden state
+    stacked_params = LlamaForCausalLM.stacked_params
+
+    def __init__(self, cfg: ArchConfig, target: TargetParts, fc_bias: bool, max_positions: int,
+                 kernels: Kernels = Kernels()) -> None:
+        super().__init__()
+        self.config = cfg
+        self.target = target  # not a submodule: the target owns (and loads, and moves) these
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, use_triton=kernels.triton_rope)
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
+        self.layers = nn.ModuleList([_EagleLayer(cfg, rotary, kernels, eagle3=False)])
+
+    def project_target_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's captured hidden states -> the head's feature input (EAGLE: as they are)."""
+        return hidden
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.fc(torch.cat([self.target.embed_tokens(input_ids), features], dim=-1))
+        hidden = self.layers[0](positions, x, None, batch)
+        return hidden, self.target.compute_logits(hidden)  # EAGLE has no final norm
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3 head: forward as EagleHead's, on features from `project_target_hidden` (the target's) or
+    from the head's own previous output; the returned feature is the pre-norm residual stream."""
+
+    variant = "EAGLE3"
+    stacked_params = LlamaForCausalLM.stacked_params
+
+    def __init__(self, cfg: ArchConfig, target: TargetParts, target_hidden_size: int, draft_vocab_size: int,
+                 target_hidden_layers: tuple[int, ...], max_positions: int, kernels: Kernels = Kernels()) -> None:
+        super().__init__()
+        self.config = cfg
+        self.target = target
+        # Inputs of these target layers (the residual stream entering each; N = after the last layer).
+        self.target_hidden_layers = target_hidden_layers
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, use_triton=kernels.triton_rope)
+        self.fc = nn.Linear(len(target_hidden_layers) * target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = _EagleLayer(cfg, rotary, kernels, eagle3=True)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
+        self.target_vocab_size = cfg.vocab_size
+        # Set by the loader from d2t: the draft vocabulary is the target's, in order (no scatter needed).
+        self.identity_vocab = draft_vocab_size == cfg.vocab_size
+
+    def project_target_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, 3 H_target], the captured layers concatenated in `target_hidden_layers` order -> [T, H]."""
+        return self.fc(hidden)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.midlayer(positions, features, self.target.embed_tokens(input_ids), batch)
+        draft_logits = self.lm_head(self.norm(hidden)).float()
+        if self.identity_vocab:
+            return hidden, draft_logits
+        # Target ids outside the draft vocabulary can never be drafted.
+        logits = draft_logits.new_full((draft_logits.shape[0], self.target_vocab_size), float("-inf"))
+        logits[:, torch.arange(draft_logits.shape[1], device=logits.device) + self.d2t] = draft_logits
+        return hidden, logits
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+def detect_eagle_variant(path: str | Path) -> str:
+    """"EAGLE" or "EAGLE3", from the config's architectures and (when weights are present) the tensor
+    names. Raises ValueError for a folder that holds neither kind of head."""
+    config = read_config(path)
+    names = checkpoint_names(path) if _has_weights(Path(path)) else []
+    if EAGLE3_ARCHITECTURE in (config.get("architectures") or []) or any(
+            n.startswith(_EAGLE3_MARKERS) for n in names):
+        return "EAGLE3"
+    if not names or "fc.weight" in names and any(n.startswith("layers.0.") for n in names):
+        return "EAGLE"
+    raise ValueError(f"{path} is not an EAGLE head: expected fc.weight and layers.0.* (EAGLE) or midlayer.* and "
+                     f"d2t (EAGLE-3), found {sorted(names)[:8]}{' ...' if len(names) > 8 else ''}")
+
+
+def check_eagle_head(path: str | Path, algorithm: str, target_hf: dict[str, Any]) -> None:
+    """Refuse, at start-up, a head of the other variant (an EAGLE-3 head run as EAGLE drafts garbage:
+    accept length 1) or one whose sizes do not fit the target."""
+    variant = detect_eagle_variant(path)
+    if variant != algorithm:
+        raise ValueError(f"the draft at {path} is an {'EAGLE-3' if variant == 'EAGLE3' else 'EAGLE'} head but "
+                         f"speculative_algorithm is {algorithm}; use --speculative-algorithm {variant}")
+    config = read_config(path)
+    target_hidden = target_hf.get("hidden_size")
+    # The head embeds with the target's embedding, so its width is the target's (EAGLE-3's fc input too).
+    for key in ("hidden_size", "target_hidden_size"):
+        if (config.get(key) or target_hidden) != target_hidden:
+            raise ValueError(f"the {variant} head at {path} has {key} {config[key]}, the target's hidden size is "
+                             f"{target_hidden}: it was trained for another model")
+    if config.get("vocab_size") != target_hf.get("vocab_size"):
+        raise ValueError(f"the {variant} head at {path} has vocab_size {config.get('vocab_size')}, the target "
+                         f"{target_hf.get('vocab_size')}: it was trained for another model")
+
+
+def eagle3_target_layers(config: dict[str, Any], num_target_layers: int) -> tuple[int, ...]:
+    """Target layers whose input the head reads: the checkpoint's `eagle_aux_hidden_state_layer_ids`
+    name layers whose *output* it was trained on (the input of the next one); else [2, N//2, N-3]."""
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    layers = tuple(i + 1 for i in ids) if ids else (2, num_target_layers // 2, num_target_layers - 3)
+    if not all(0 <= i <= num_target_layers for i in layers):
+        raise ValueError(f"EAGLE-3 aux hidden state layers {layers} do not fit a {num_target_layers}-layer target")
+    return layers
+
+
+def load_eagle_head(path: str | Path, algorithm: str, target: TargetParts, num_target_layers: int,
+                    max_positions: int, dtype: torch.dtype, device: torch.device | str,
+                    kernels: Kernels = Kernels()) -> EagleHead | Eagle3Head:
+    """Build the head on `device` in `dtype` and fill it from the checkpoint; `algorithm` ("EAGLE" or
+    "EAGLE3") must match what the checkpoint is. `max_positions` is the target's context length."""
+    variant = detect_eagle_variant(path)
+    if variant != algorithm:
+        raise ValueError(f"the checkpoint at {path} is a {variant} head, asked to load it as {algorithm}")
+    config = read_config(path)
+    cfg = parse_arch_config(config)
+    names = set(checkpoint_names(path))
+    with torch.device(device), _default_dtype(dtype):
+        if variant == "EAGLE":
+            head = EagleHead(cfg, target, fc_bias="fc.bias" in names, max_positions=max_positions, kernels=kernels)
+        else:
+            head = Eagle3Head(cfg, target, target_hidden_size=config.get("target_hidden_size") or cfg.hidden_size,
+                              draft_vocab_size=config.get("draft_vocab_size") or cfg.vocab_size,
+                              target_hidden_layers=eagle3_target_layers(config, num_target_layers),
+                              max_positions=max_positions, kernels=kernels)
+    unused = _UNUSED[variant]
+    copy_checkpoint(head, path, f"an {variant} head", skip=lambda name: name in unused,
+                    rename=_vllm_to_midlayer if variant == "EAGLE3" else lambda name: name)
+    if variant == "EAGLE3":
+        _check_vocab_map(head, path, "t2d" in names)
+    return head.eval()
+
+
+def _vllm_to_midlayer(name: str) -> str:
+    return "midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name
+
+
+def _check_vocab_map(head: Eagle3Head, path: str | Path, has_t2d: bool) -> None:
+    """d2t must send the draft vocabulary to distinct target ids (and agree with t2d when present)."""
+    vocab = head.target_vocab_size
+    ids = torch.arange(head.d2t.numel(), device=head.d2t.device) + head.d2t
+    if ids.min() < 0 or ids.max() >= vocab or ids.unique().numel() != ids.numel():
+        raise ValueError(f"{path}: d2t does not map the draft vocabulary to distinct target ids below {vocab}")
+    if has_t2d:
+        t2d = checkpoint_tensor(path, "t2d").to(ids.device).bool()
+        if t2d.numel() != vocab or int(t2d.sum()) != ids.numel() or not t2d[ids].all():
+            raise ValueError(f"{path}: t2d does not mark exactly the target ids that d2t maps to")
+    head.identity_vocab = ids.numel() == vocab and bool((ids == torch.arange(vocab, device=ids.device)).all())
+
+
+def _has_weights(path: Path) -> bool:
+    return (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
