@@ -81,6 +81,8 @@ class Generation:
             if isinstance(item, APIError):
                 raise item
             index, delta = item
+            if delta.error is not None:  # the engine step that ran this request failed (engine goes on)
+                raise APIError(500, f"generation failed in the engine: {delta.error}", code="engine_step_failed")
             choice, text = self.choices[index], self._texts[index]
             new_text = text.add(delta.token_ids)[0] if text is not None else ""
             if delta.finished:
