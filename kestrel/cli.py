@@ -17,6 +17,11 @@ HELP = {
     "max_total_tokens": "KV pool size in tokens (default: from GPU memory; 32768 on CPU)",
     "chunked_prefill_size": "prefill tokens per step; -1 disables chunking",
     "attention_backend": "attention backend for both phases (e.g. torch_native)",
+    "max_request_bytes": "largest request body in bytes; larger ones get 413 (default: 4 MiB)",
+    "max_queued_requests": "engine requests held beyond --max-running-requests; past it, 503 with Retry-After "
+                           "(default: 1024)",
+    "shutdown_timeout": "seconds running requests get to finish after SIGTERM before they are aborted (default: 30)",
+    "tokenizer_pool_size": "processes tokenizing long prompts off the event loop (default: 2)",
 }
 
 
@@ -66,13 +71,12 @@ def _serve(args: argparse.Namespace) -> int:
     from kestrel.server.launch import ServerStartError, serve
 
     try:
-        serve(config_from_args(args), served_model_name=args.served_model_name)
+        return serve(config_from_args(args), served_model_name=args.served_model_name)
     except ServerStartError as e:
         print(f"kestrel: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-    return 0
 
 
 def _explain(args: argparse.Namespace) -> int:
