@@ -26,6 +26,11 @@ HELP = {
     "speculative_disable_batch_size": "stop speculating above this many running requests (default 32)",
     "speculative_draft_attention_backend": "one attention backend for every phase of the draft model",
     "speculative_attention_mode": "prefill or decode: which half serves TARGET_VERIFY and DRAFT_EXTEND",
+    "max_request_bytes": "largest request body in bytes; larger ones get 413 (default: 4 MiB)",
+    "max_queued_requests": "engine requests held beyond --max-running-requests; past it, 503 with Retry-After "
+                           "(default: 1024)",
+    "shutdown_timeout": "seconds running requests get to finish after SIGTERM before they are aborted (default: 30)",
+    "tokenizer_pool_size": "processes tokenizing long prompts off the event loop (default: 2)",
 }
 
 
@@ -75,13 +80,12 @@ def _serve(args: argparse.Namespace) -> int:
     from kestrel.server.launch import ServerStartError, serve
 
     try:
-        serve(config_from_args(args), served_model_name=args.served_model_name)
+        return serve(config_from_args(args), served_model_name=args.served_model_name)
     except ServerStartError as e:
         print(f"kestrel: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-    return 0
 
 
 def _explain(args: argparse.Namespace) -> int:

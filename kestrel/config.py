@@ -95,6 +95,16 @@ class ServerConfig:
     port: int = 30000
     api_key: str | None = None
     log_level: str = "info"
+    # A larger body gets 413 before it is read. 4 MiB holds about a million tokens of English text, or
+    # a batch of 500k token ids, and bounds what one request can make the HTTP process hold.
+    max_request_bytes: int = 4 * 2**20
+    # Engine requests (prompts x n) the server holds beyond --max-running-requests, from the moment
+    # their body is parsed; past it a request gets 503 with Retry-After, so no queue grows unbounded.
+    max_queued_requests: int = 1024
+    # On SIGTERM, seconds running requests get to finish before they are aborted.
+    shutdown_timeout: float = 30.0
+    # Processes that tokenize (and apply chat templates to) long prompts off the event loop.
+    tokenizer_pool_size: int = 2
 
 
 SECTIONS = {
@@ -204,6 +214,7 @@ class EngineConfig:
         speculative = resolve_speculative(self.speculative, model_path, hf)
         if self.cuda_graph.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph.cuda_graph_max_bs}")
+        _check_server(self.server)
         if self.parallel.tp_size != 1:
             raise ValueError(f"tp_size must be 1 for now, got {self.parallel.tp_size}")
         out = dataclasses.replace(
@@ -220,6 +231,17 @@ class EngineConfig:
                 out, cache=dataclasses.replace(out.cache, disable_radix_cache=True),
                 scheduler=dataclasses.replace(out.scheduler, chunked_prefill_size=-1))
         return out
+
+
+def _check_server(server: ServerConfig) -> None:
+    if server.max_request_bytes < 1024:
+        raise ValueError(f"max_request_bytes must be >= 1024, got {server.max_request_bytes}")
+    if server.max_queued_requests < 0:
+        raise ValueError(f"max_queued_requests must be >= 0, got {server.max_queued_requests}")
+    if not server.shutdown_timeout >= 0:  # also catches NaN
+        raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {server.shutdown_timeout}")
+    if server.tokenizer_pool_size < 1:
+        raise ValueError(f"tokenizer_pool_size must be >= 1, got {server.tokenizer_pool_size}")
 
 
 def _check_library_floors(floors: dict[str, str]) -> None:

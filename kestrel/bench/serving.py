@@ -5,7 +5,9 @@
         --max-concurrency 64 --random-input-len 1000 --random-output-len 500 --random-range-ratio 0.2
 
 Requests go to the native `/generate` endpoint as token ids (no tokenizer needed), streamed, greedy,
-ignore_eos. Reports throughput, TTFT, inter-token latency (ITL) and end-to-end latency (median, p99).
+ignore_eos. Random ids are drawn below the server's vocabulary size, read from its `/server_info`
+(`--vocab-size` instead, for a server without one). Reports throughput, TTFT, inter-token latency
+(ITL) and end-to-end latency (median, p99).
 """
 from __future__ import annotations
 
@@ -44,19 +46,37 @@ async def one_request(client, url: str, prompt: list[int], output_len: int, head
             "input_tokens": len(prompt)}
 
 
+async def server_vocab_size(client, base_url: str, headers: dict) -> int:
+    """The vocabulary size the server reports at /server_info; ValueError saying what to pass instead."""
+    url = base_url + "/server_info"
+    try:
+        response = await client.get(url, headers=headers)
+        vocab_size = response.json()["vocab_size"] if response.status_code == 200 else None
+    except (OSError, ValueError, KeyError) as e:  # httpx's transport errors are OSErrors; bad JSON a ValueError
+        raise ValueError(f"could not read the vocabulary size from {url} ({type(e).__name__}: {e}); "
+                         "pass --vocab-size") from None
+    if not isinstance(vocab_size, int):
+        raise ValueError(f"could not read the vocabulary size from {url} (HTTP {response.status_code}: "
+                         f"{response.text[:200]}); pass --vocab-size, or --api-key if the server has one")
+    return vocab_size
+
+
 async def run(args: argparse.Namespace) -> dict:
     import httpx
 
-    rng = random.Random(args.seed)
-    prompts, out_lens = workload(args.num_prompts, args.random_input_len, args.random_output_len,
-                                 args.random_range_ratio, args.vocab_size, rng)
-    in_tokens = sum(map(len, prompts))
-    url = args.base_url.rstrip("/") + "/generate"
+    base_url = args.base_url.rstrip("/")
+    url = base_url + "/generate"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limit = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
     timeout = httpx.Timeout(None, connect=10.0)
 
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
+        vocab_size = args.vocab_size or await server_vocab_size(client, base_url, headers)
+        rng = random.Random(args.seed)
+        prompts, out_lens = workload(args.num_prompts, args.random_input_len, args.random_output_len,
+                                     args.random_range_ratio, vocab_size, rng)
+        in_tokens = sum(map(len, prompts))
+
         async def limited(i: int) -> dict:
             async with limit:
                 return await one_request(client, url, prompts[i], out_lens[i], headers)
@@ -97,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--random-input-len", type=int, default=1000)
     parser.add_argument("--random-output-len", type=int, default=500)
     parser.add_argument("--random-range-ratio", type=float, default=0.2)
-    parser.add_argument("--vocab-size", type=int, default=32000, help="random token ids are drawn below this")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="random token ids are drawn below this (default: the server's, from /server_info)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 # Any of these in a local folder means a tokenizer is meant to be there.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -30,6 +30,10 @@ def load_tokenizer(path: str, required: bool = True) -> PreTrainedTokenizerBase 
             f"no tokenizer in {path}: expected one of {', '.join(_TOKENIZER_FILES)}; "
             "add one, or pass prompt token ids instead of text"
         )
+    # AutoTokenizer pulls in torch (seconds, hundreds of MB): the server's tokenizer worker processes,
+    # which import this module but get their tokenizer pickled, never need it.
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:

@@ -1,4 +1,9 @@
-"""The FastAPI app: routes, API-key check, and every error as an OpenAI-shaped JSON body."""
+"""The FastAPI app: routes, the body-size limit, the API-key check, every error as an OpenAI-shaped body.
+
+Open to all: /health, /metrics (probes and scrapers, as vLLM keeps them) and /openapi.json. With
+--api-key, everything else needs `Authorization: Bearer KEY`: /v1/*, /generate and /server_info
+(which names the model path and the engine's PID).
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -9,9 +14,10 @@ from fastapi import FastAPI
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kestrel.server import native_api, openai_api
+from kestrel.server import native_api, openai_api, openapi
+from kestrel.server.body_limit import BodyLimitMiddleware
 from kestrel.server.errors import APIError
 from kestrel.server.metrics import CONTENT_TYPE
 from kestrel.server.state import ServerState
@@ -20,11 +26,11 @@ logger = logging.getLogger(__name__)
 
 
 def _protected(path: str) -> bool:
-    return path.startswith("/v1/") or path in ("/v1", "/generate")
+    return path.startswith("/v1/") or path in ("/v1", "/generate", "/server_info")
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer KEY` on /v1/* and /generate; health and metrics stay open for probes."""
+    """`Authorization: Bearer KEY` on every protected path (see the module docstring)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -41,10 +47,42 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="kestrel", docs_url=None, redoc_url=None, openapi_url=None)
+class InternalErrorMiddleware:
+    """A bug while serving one request is logged with its traceback and answered 500, and that is all.
+
+    Starlette's own last-resort handler re-raises after answering, and uvicorn then closes the
+    connection: the client's next request on it would be reset.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception as e:
+            logger.exception("unhandled error while serving %s", scope.get("path"))
+            if started or scope["type"] != "http":
+                raise  # too late for a 500: let the server close the connection
+            await APIError(500, f"internal server error: {type(e).__name__}: {e}").response()(scope, receive, send)
+
+
+def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
+    app = FastAPI(title="kestrel", description="OpenAI-compatible and SGLang-native LLM serving",
+                  docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    openapi.install(app)
+    # The last added runs first: the size limit, then the key, then the last-resort 500.
+    app.add_middleware(InternalErrorMiddleware)
     if state.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> Response:
@@ -54,14 +92,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def http_error(_: Request, exc: HTTPException) -> Response:
         return APIError(exc.status_code, str(exc.detail)).response()
 
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error while serving a request")
-        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
-
     @app.get("/health")
     async def health() -> Response:
-        state.check_alive()
+        state.check_alive()  # 503 while draining or while the engine process is dead
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -75,7 +108,9 @@ def build_app(state: ServerState) -> FastAPI:
             "model_path": state.model_path, "served_model_name": state.served_model_name,
             "engine_pid": client.info.pid, "engine_alive": client.alive, "vocab_size": client.info.vocab_size,
             "context_length": client.info.context_length, "max_req_len": client.info.max_req_len,
-            "stats": {**dataclasses.asdict(client.stats), "token_usage": client.stats.token_usage}})
+            "stats": {**dataclasses.asdict(client.stats), "token_usage": client.stats.token_usage},
+            "admission": {"requests": state.admission.num_requests, "engine_requests": state.admission.in_flight,
+                          "capacity": state.admission.capacity, "stopping": state.admission.stopping}})
 
     @app.get("/v1/models")
     async def models() -> Response:

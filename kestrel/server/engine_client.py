@@ -4,7 +4,8 @@ Sending goes through one thread, so the event loop never blocks on a full pipe (
 processes can never wait on each other's full pipes). Receiving is one asyncio task, woken by the
 event loop when the pipe is readable, that routes every `TokenDelta` to the queue of the HTTP
 request it belongs to, updating the metrics on the way. End of file on the pipe means the engine
-process died: every waiting request then gets a 503, and so does every new one.
+process died: every waiting request then gets a 503, and so does every new one, until `on_dead`
+(the EngineSupervisor) has put a new client in this one's place.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +56,45 @@ class _Tracked:
     last_token: float | None = None
 
 
+class EngineLaunch:
+    """An engine process loading its model: `wait()` blocks until it is ready, `kill()` gives up on it."""
+
+    def __init__(self, config: EngineConfig, log_level: str) -> None:
+        self.config = config
+        ctx = mp.get_context("spawn")
+        inbox_r, self.inbox = ctx.Pipe(duplex=False)
+        self.outbox, outbox_w = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=engine_main, args=(config, inbox_r, outbox_w, log_level),
+                                   name="kestrel-engine")
+        self.process.start()
+        # Only the engine process may hold these ends: then its death reads as end of file here.
+        inbox_r.close()
+        outbox_w.close()
+
+    def wait(self, metrics: ServerMetrics) -> "EngineClient":
+        """The client of the loaded engine. Raises EngineStartError."""
+        process, model = self.process, self.config.model.model
+        try:
+            msg = self.outbox.recv()
+        except EOFError:
+            process.join()
+            raise EngineStartError(f"the engine process exited (exit code {process.exitcode}) while loading "
+                                   f"the model {model}; see the log above") from None
+        except BaseException:  # e.g. Ctrl-C while the model loads (the engine process ignores SIGTERM)
+            self.kill()
+            raise
+        if isinstance(msg, EngineFailed):
+            process.join()
+            raise EngineStartError(f"could not load the model {model}: {msg.error}")
+        assert isinstance(msg, EngineReady), msg
+        metrics.on_engine_ready()
+        return EngineClient(process, self.inbox, self.outbox, msg, metrics)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+
+
 class EngineClient:
     def __init__(self, process: Any, inbox: Any, outbox: Any, info: EngineReady, metrics: ServerMetrics) -> None:
         self.process = process
@@ -61,6 +102,7 @@ class EngineClient:
         self.metrics = metrics
         self.stats = EngineStats(max_total_tokens=info.max_total_tokens)
         self.dead_reason: str | None = None
+        self.on_dead: Callable[[], None] | None = None  # called once, after the in-flight requests were failed
         self._inbox = inbox  # we write; the engine reads
         self._outbox = outbox  # the engine writes; we read
         self._send_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -76,30 +118,7 @@ class EngineClient:
     @classmethod
     def launch(cls, config: EngineConfig, log_level: str, metrics: ServerMetrics) -> "EngineClient":
         """Start the engine process and wait until its model is loaded. Raises EngineStartError."""
-        ctx = mp.get_context("spawn")
-        inbox_r, inbox_w = ctx.Pipe(duplex=False)
-        outbox_r, outbox_w = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=engine_main, args=(config, inbox_r, outbox_w, log_level),
-                              name="kestrel-engine")
-        process.start()
-        # Only the engine process may hold these ends: then its death reads as end of file here.
-        inbox_r.close()
-        outbox_w.close()
-        try:
-            msg = outbox_r.recv()
-        except EOFError:
-            process.join()
-            raise EngineStartError(f"the engine process exited (exit code {process.exitcode}) while loading "
-                                   f"the model {config.model.model}; see the log above") from None
-        except BaseException:  # e.g. Ctrl-C while the model loads (the engine process ignores SIGTERM)
-            process.kill()
-            process.join()
-            raise
-        if isinstance(msg, EngineFailed):
-            process.join()
-            raise EngineStartError(f"could not load the model {config.model.model}: {msg.error}")
-        assert isinstance(msg, EngineReady), msg
-        return cls(process, inbox_w, outbox_r, msg, metrics)
+        return EngineLaunch(config, log_level).wait(metrics)
 
     def start(self) -> None:
         """Begin sending and dispatching; call from the event loop that serves HTTP."""
@@ -109,7 +128,9 @@ class EngineClient:
         self._dispatcher = self._loop.create_task(self._dispatch_loop(), name="kestrel-engine-dispatcher")
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Ask the engine to abort what still runs and exit; kill it if it does not."""
+        """Ask the engine to abort what still runs and exit; kill it if it does not. Idempotent."""
+        if self._inbox.closed:
+            return
         if self._loop is not None:
             self._loop.remove_reader(self._outbox.fileno())
         if self._dispatcher is not None:
@@ -123,6 +144,8 @@ class EngineClient:
             logger.warning("the engine process did not exit within %.0f s; killing it", timeout)
             self.process.kill()
             self.process.join()
+        self._inbox.close()  # a restarted engine gets new pipes: do not leak these
+        self._outbox.close()
 
     @property
     def alive(self) -> bool:
@@ -130,7 +153,8 @@ class EngineClient:
 
     def dead_error(self) -> APIError:
         reason = self.dead_reason or f"the engine process exited (exit code {self.process.exitcode})"
-        return APIError(503, f"{reason}; the server cannot generate until it is restarted", code="engine_dead")
+        return APIError(503, f"{reason}; the server is starting a new one: retry in a little while",
+                        code="engine_dead")
 
     # ---- requests ------------------------------------------------------------------------------
     def new_rid(self) -> str:
@@ -226,7 +250,9 @@ class EngineClient:
         if self.dead_reason is not None:
             return
         self.dead_reason = reason
-        logger.error("%s: answering 503 from now on", reason)
+        logger.error("%s: answering 503 to every request it had", reason)
+        self.stats = EngineStats(max_total_tokens=self.info.max_total_tokens)  # nothing runs any more
+        self.metrics.on_engine_dead()
         error = self.dead_error()
         for group in self._groups.values():
             if not group.admitted.done():
@@ -235,3 +261,5 @@ class EngineClient:
         for group in {id(t.group): t.group for t in self._tracked.values()}.values():
             group.queue.put_nowait(error)
         self._tracked.clear()
+        if self.on_dead is not None:
+            self.on_dead()

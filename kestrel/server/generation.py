@@ -3,7 +3,11 @@
 Every endpoint (completions, chat, native /generate) runs through `Generation`: it submits one
 engine request per choice, turns the engine's token deltas into text deltas with its own
 `OutputText` per choice (incremental detokenization and stop strings, the same code the engine uses
-to stop), and aborts whatever is unfinished when it is closed early.
+to stop), and aborts whatever is unfinished when it is closed early. It owns its request's admission
+`Ticket`: closing gives it back, and the server aborting the ticket (shutdown) aborts the choices.
+
+A choice the engine finished with finish_reason "error" (a step failed) fails the whole call with a
+500: there is no partial answer worth sending as if it were whole.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from dataclasses import dataclass, field
 
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.engine.detokenizer import OutputText
+from kestrel.server.admission import Ticket, shutting_down
 from kestrel.server.engine_client import EngineClient, RequestGroup
 from kestrel.server.errors import APIError
 from kestrel.server.messages import NewRequest
@@ -49,10 +54,11 @@ class Choice:
 
 class Generation:
     def __init__(self, client: EngineClient, tokenizer, prompts: list[list[int]], params: list[SamplingParams],
-                 prompt_param: str = "prompt") -> None:
+                 ticket: Ticket, prompt_param: str = "prompt") -> None:
         """One choice per (prompt ids, params) pair, in that order. Engine rejections of the prompt
         (too long, empty, ids out of range) are reported against the field `prompt_param`."""
         self.client = client
+        self.ticket = ticket
         self.tokenizer = tokenizer
         self.prompt_param = prompt_param
         self.arrival = time.monotonic()
@@ -64,6 +70,9 @@ class Generation:
 
     async def start(self) -> None:
         """Queue the choices in the engine; raises APIError (400 for a prompt the engine rejects)."""
+        if self.ticket.aborted.is_set():  # shutdown aborted the request while it was being tokenized
+            raise shutting_down()
+        self.ticket.on_abort = self._abort_unfinished  # from now on, even while the engine admits them
         reqs = [NewRequest(c.rid, c.prompt_ids, c.params) for c in self.choices]
         try:
             self._group = await self.client.submit(reqs, self.arrival)
@@ -81,8 +90,9 @@ class Generation:
             if isinstance(item, APIError):
                 raise item
             index, delta = item
-            if delta.error is not None:  # the engine step that ran this request failed (engine goes on)
-                raise APIError(500, f"generation failed in the engine: {delta.error}", code="engine_step_failed")
+            if delta.finish_reason == "error":
+                raise APIError(500, f"the engine failed while generating choice {index}: "
+                                    f"{delta.error or 'no reason given'}", code="engine_error")
             choice, text = self.choices[index], self._texts[index]
             new_text = text.add(delta.token_ids)[0] if text is not None else ""
             if delta.finished:
@@ -104,10 +114,15 @@ class Generation:
             pass
         return self.choices
 
+    def _abort_unfinished(self) -> None:
+        self.client.abort([c.rid for c in self.choices if not c.finished])
+
     def close(self) -> None:
-        """Abort the unfinished choices (client gone, error, shutdown). Safe to call more than once."""
-        if self._group is not None:
-            self.client.abort([c.rid for c in self.choices if not c.finished])
+        """Abort the unfinished choices (client gone, error) and give the ticket back. Safe to call
+        more than once."""
+        if self.ticket.on_abort is not None:  # start() got as far as submitting
+            self._abort_unfinished()
+        self.ticket.release()
 
     # ---- usage ---------------------------------------------------------------------------------
     def usage(self, n: int = 1) -> dict:

@@ -1,29 +1,31 @@
 """`kestrel serve`: take the port, load the model in the engine process, serve HTTP, shut down cleanly.
 
 Order matters for a clear failure: config errors first, then the port (so a taken port fails in a
-second, not after loading the model), then the tokenizer and the model. On SIGINT/SIGTERM uvicorn
-stops accepting connections and lets running requests finish for `GRACEFUL_SHUTDOWN_S` seconds;
-whatever still runs is then cancelled (aborting its engine requests), and the engine process exits.
+second, not after loading the model), then the tokenizer (its worker processes start while the
+engine process loads the model) and the model. SIGINT/SIGTERM drain the server (see `shutdown`);
+an engine process that dies is restarted (see `supervisor`).
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
-import signal
 import socket
 
 import uvicorn
 
 from kestrel.config import EngineConfig
 from kestrel.engine.tokenizer import load_tokenizer
+from kestrel.server.admission import AdmissionControl
 from kestrel.server.app import build_app
 from kestrel.server.engine_client import EngineClient, EngineStartError
 from kestrel.server.metrics import ServerMetrics
+from kestrel.server.shutdown import ABORT_GRACE_S, Drain, Server
 from kestrel.server.state import ServerState
+from kestrel.server.supervisor import EngineSupervisor
+from kestrel.server.tokenization import Tokenization
 
 logger = logging.getLogger(__name__)
-
-GRACEFUL_SHUTDOWN_S = 30
 
 
 class ServerStartError(RuntimeError):
@@ -53,48 +55,63 @@ def url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-class _Server(uvicorn.Server):
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if not self.should_exit and sockets:
-            host = self.config.host
-            print(f"ready on {url(host, sockets[0].getsockname()[1])}", flush=True)
-
-
-def serve(config: EngineConfig, served_model_name: str | None = None) -> None:
-    """Run the server until SIGINT/SIGTERM. Raises ServerStartError (or ValueError for bad config)."""
+def serve(config: EngineConfig, served_model_name: str | None = None) -> int:
+    """Run the server until SIGINT/SIGTERM; returns the exit status (0, or 1 if a dead engine could not
+    be restarted). Raises ServerStartError (or ValueError for bad config)."""
     name = served_model_name or config.model.model  # as the user named it ("demo"), not the resolved folder
     config = config.resolve()
     server_config = config.server
     sock = bind(server_config.host, server_config.port)
     client: EngineClient | None = None
+    tokenization: Tokenization | None = None
     try:
         tokenizer = load_tokenizer(config.model.tokenizer or config.model.model, required=False)
+        if tokenizer is not None:
+            tokenization = Tokenization(tokenizer, server_config.tokenizer_pool_size)
+            workers_started = tokenization.start()
         metrics = ServerMetrics(name)
         try:
             client = EngineClient.launch(config, server_config.log_level, metrics)
         except EngineStartError as e:
             raise ServerStartError(str(e)) from None
-        state = ServerState(client, tokenizer, name, config.model.model, metrics, server_config.api_key)
+        if tokenization is not None:
+            try:
+                for started in concurrent.futures.as_completed(workers_started):
+                    started.result()
+            except Exception as e:
+                raise ServerStartError(f"the tokenizer worker processes did not start: {type(e).__name__}: "
+                                       f"{e}") from None
+        admission = AdmissionControl(config.scheduler.max_running_requests + server_config.max_queued_requests)
+        state = ServerState(client, tokenization, name, config.model.model, metrics, admission,
+                            server_config.api_key)
         debug = server_config.log_level.lower() == "debug"
-        uv_config = uvicorn.Config(build_app(state), host=server_config.host, log_config=None, access_log=debug,
-                                   timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off")
-        # uvicorn re-raises the signal that stopped it once it is done; make that a no-op here so the
-        # engine process is shut down below and the exit is clean.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: None)
-        asyncio.run(_serve(_Server(uv_config), sock, client))
+        # Drain ends every request before uvicorn stops, so uvicorn's own grace period only bounds a wedged engine.
+        uv_config = uvicorn.Config(build_app(state, server_config.max_request_bytes), host=server_config.host,
+                                   log_config=None, access_log=debug, timeout_graceful_shutdown=ABORT_GRACE_S,
+                                   lifespan="off")
+        server = Server(uv_config, lambda port: url(server_config.host, port))
+        return asyncio.run(_serve(server, sock, state, config, server_config.shutdown_timeout))
     finally:
         sock.close()
+        if tokenization is not None:
+            tokenization.shutdown()
         if client is not None and client.process.is_alive():  # start-up failed after the engine loaded
             client.process.kill()
             client.process.join()
 
 
-async def _serve(server: _Server, sock: socket.socket, client: EngineClient) -> None:
-    client.start()
+async def _serve(server: Server, sock: socket.socket, state: ServerState, config: EngineConfig,
+                 shutdown_timeout: float) -> int:
+    drain = Drain(state.admission, shutdown_timeout, server.stop)
+    server.drain = drain
+    # A dead engine that cannot be restarted: its requests already failed, so no wait; exit status 1.
+    supervisor = EngineSupervisor(state, config, config.server.log_level, lambda: drain.begin(1, timeout=0))
+    supervisor.watch(state.client)
+    state.client.start()
     try:
         await server.serve(sockets=[sock])
     finally:
-        await client.shutdown()
+        await supervisor.close()
+        await state.client.shutdown()
     logger.info("server stopped")
+    return drain.exit_code

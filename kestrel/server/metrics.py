@@ -3,6 +3,8 @@
 Token counters and latency histograms are updated from the engine's output messages as they
 arrive; the gauges come from the engine's periodic `EngineStats`. Names follow SGLang's
 (`sglang:num_running_reqs` → `kestrel:num_running_reqs`) so existing dashboards carry over.
+`kestrel:engine_alive` is 0 while the engine process is dead (until its restart has loaded the
+model), and the engine's gauges then read 0 rather than its last values: nothing runs.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ class ServerMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(f"kestrel:{name}", doc, labels, buckets=buckets, registry=registry).labels(model_name)
 
+        self.engine_alive = gauge("engine_alive", "1 while the engine process runs; 0 while it is dead or restarting")
+        self.engine_restarts = counter("engine_restarts", "Times the engine process died and a new one was started")
         self.num_running = gauge("num_running_reqs", "Requests running in the engine (prefill or decode)")
         self.num_waiting = gauge("num_queue_reqs", "Requests waiting in the engine's queue")
         self.token_usage = gauge("token_usage", "Share of the KV pool held by live requests (0..1)")
@@ -53,6 +57,13 @@ class ServerMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token", _TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token", _E2E_BUCKETS)
+
+    def on_engine_ready(self) -> None:
+        self.engine_alive.set(1)
+
+    def on_engine_dead(self) -> None:
+        self.engine_alive.set(0)
+        self.on_stats(EngineStats())
 
     def on_stats(self, stats: EngineStats) -> None:
         self.num_running.set(stats.num_running)

@@ -46,26 +46,28 @@ def _output(gen: Generation, c: Choice, index: int | None) -> dict[str, Any]:
 
 
 async def generate(state: ServerState, request: Request) -> Response:
-    body = await parse_body(request, GenerateRequest)
+    body, body_bytes = await parse_body(request, GenerateRequest)
     if (body.text is None) == (body.input_ids is None):
         raise bad_request("give exactly one of text or input_ids", "text")
-    state.check_alive()
+    param = "text" if body.text is not None else "input_ids"
     if body.text is not None:
         batch = isinstance(body.text, list)
-        prompts = [state.encode(t, "text") for t in (body.text if batch else [body.text])]
+        given: list = body.text if batch else [body.text]
     else:
         batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
-        prompts = body.input_ids if batch else [body.input_ids]
-    if not prompts:
-        raise bad_request("the batch of prompts is empty", "text" if body.text is not None else "input_ids")
-    try:
-        params, n = native_sampling_params(body.sampling_params,
-                                           body.top_logprobs_num if body.return_logprob else None)
-    except TypeError as e:
-        raise bad_request(f"invalid sampling_params: {e}", "sampling_params") from None
-    params = validated(params, state.client.info.vocab_size, {})
-    gen = Generation(state.client, state.tokenizer, *expand_choices(prompts, params, n),
-                     prompt_param="text" if body.text is not None else "input_ids")
+        given = body.input_ids if batch else [body.input_ids]
+    if not given:
+        raise bad_request("the batch of prompts is empty", param)
+    params, n, asked = native_sampling_params(body.sampling_params,
+                                              body.top_logprobs_num if body.return_logprob else None)
+    base = validated(params, state.client.info.vocab_size, {})
+    ticket = state.admit(len(given) * n, "sampling_params" if n > 1 else param)
+    with ticket.released_on_error():
+        prompts = await state.prompt_ids(ticket, given, param, body_bytes)
+        # Without max_new_tokens: SamplingParams' default (128, as SGLang's), cut to fit the context.
+        params_list = state.params_for(base, prompts, asked, base.max_new_tokens, param, "max_new_tokens", {})
+        gen = Generation(state.client, state.tokenizer, *expand_choices(prompts, params_list, n), ticket,
+                         prompt_param=param)
     many = batch or n > 1
 
     async def outputs() -> AsyncIterator[dict[str, Any]]:

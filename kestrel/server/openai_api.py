@@ -9,16 +9,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kestrel.engine.tokenizer import apply_chat_template
-from kestrel.server.errors import bad_request
 from kestrel.server.generation import Choice, ChoiceUpdate, Generation
-from kestrel.server.protocol import (ChatCompletionRequest, CompletionRequest, expand_choices, prompt_list,
-                                     validated)
+from kestrel.server.protocol import ChatCompletionRequest, CompletionRequest, expand_choices, prompt_list, validated
 from kestrel.server.sse import sse_stream
 from kestrel.server.state import ServerState, parse_body, respond
 
 _API_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# OpenAI's default for /v1/completions; cut to the room the context leaves, as chat's default (all of
+# that room) is. Only an explicit max_tokens that does not fit is an error.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 async def _events(gen: Generation, head: dict[str, Any], chunk_choice: Callable[[ChoiceUpdate], dict | None],
@@ -52,17 +51,20 @@ def _completion_logprobs(state: ServerState, ids: list[int], logprobs: list[floa
 
 
 async def completions(state: ServerState, request: Request) -> Response:
-    body = await parse_body(request, CompletionRequest)
+    body, body_bytes = await parse_body(request, CompletionRequest)
     state.check_model(body.model)
-    body.reject_unsupported()
-    state.check_alive()
+    body.check()
     texts, _ = prompt_list(body.prompt)
-    prompts = [state.encode(p, "prompt") if isinstance(p, str) else p for p in texts]
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    params = validated(body.sampling_params(max_tokens, body.logprobs), state.client.info.vocab_size,
-                       _API_NAMES)
-    gen = Generation(state.client, state.tokenizer, *expand_choices(prompts, params, body.n))
-    echoes = [(p if isinstance(p, str) else state.decode(p)) if body.echo else "" for p in texts]
+    # Every range check before the (maybe long) tokenization; max_tokens again once prompt lengths are known.
+    base = validated(body.sampling_params(max_tokens, body.logprobs), state.client.info.vocab_size, _API_NAMES)
+    ticket = state.admit(len(texts) * body.n, "n" if body.n > 1 else "prompt")
+    with ticket.released_on_error():
+        prompts = await state.prompt_ids(ticket, texts, "prompt", body_bytes)
+        params = state.params_for(base, prompts, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "prompt",
+                                  "max_tokens", _API_NAMES)
+        echoes = [(p if isinstance(p, str) else state.decode(p)) if body.echo else "" for p in texts]
+        gen = Generation(state.client, state.tokenizer, *expand_choices(prompts, params, body.n), ticket)
     echo_of = [echoes[i // body.n] for i in range(len(gen.choices))]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": gen.created,
             "model": state.served_model_name}
@@ -108,22 +110,23 @@ def _chat_logprobs(state: ServerState, ids: list[int], logprobs: list[float],
 
 
 async def chat_completions(state: ServerState, request: Request) -> Response:
-    body = await parse_body(request, ChatCompletionRequest)
+    body, body_bytes = await parse_body(request, ChatCompletionRequest)
     state.check_model(body.model)
-    body.reject_unsupported()
-    state.check_alive()
-    tokenizer = state.need_tokenizer("chat messages", "messages")
-    try:
-        prompt = apply_chat_template(tokenizer, body.messages)
-    except ValueError as e:
-        raise bad_request(str(e), "messages") from None
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    body.check()
+    state.need_tokenization("chat messages", "messages")
+    asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    if max_tokens is None:  # as vLLM: up to the end of the context
-        max_tokens = max(1, state.client.info.max_req_len - len(prompt))
-    params = validated(body.sampling_params(max_tokens, body.engine_top_logprobs()), state.client.info.vocab_size,
-                       {**_API_NAMES, "max_new_tokens": name, "logprobs": "top_logprobs"})
-    gen = Generation(state.client, tokenizer, *expand_choices([prompt], params, body.n), prompt_param="messages")
+    names = {**_API_NAMES, "max_new_tokens": name, "logprobs": "top_logprobs"}
+    info = state.client.info
+    # Without max_tokens, as vLLM: up to the end of the context, at most max_req_len - 1 for any prompt.
+    base = validated(body.sampling_params(info.max_req_len - 1 if asked is None else asked,
+                                          body.engine_top_logprobs()), info.vocab_size, names)
+    ticket = state.admit(body.n, "n")
+    with ticket.released_on_error():
+        prompt = await state.chat_prompt_ids(ticket, body.messages, body_bytes)
+        params = state.params_for(base, [prompt], asked, None, "messages", name, names)
+        gen = Generation(state.client, state.tokenizer, *expand_choices([prompt], params, body.n), ticket,
+                         prompt_param="messages")
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": gen.created,
             "model": state.served_model_name}
 

@@ -1,25 +1,28 @@
 """Request bodies (pydantic) and their translation into engine `SamplingParams`.
 
-Types are checked strictly ("0.5" is not a number); value ranges are checked once, by
-`SamplingParams.validate`, and its errors are renamed to the API's field names. Unknown fields are
-ignored, as SGLang and vLLM do; fields that ask for something kestrel does not do are rejected.
+Types are checked strictly ("0.5" is not a number, 1e400 is not a finite one); value ranges are
+checked once, by `SamplingParams.validate`, and its errors are renamed to the API's field names.
+Unknown fields are ignored, as SGLang and vLLM do; fields that ask for something kestrel does not do
+are rejected. `fit_max_tokens` checks prompt + max_tokens against the context, as vLLM does.
 """
 from __future__ import annotations
 
 import dataclasses
 import random
+import typing
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from kestrel.core.sampling_params import SamplingParams
-from kestrel.server.errors import bad_request
+from kestrel.server.errors import APIError, bad_request, from_validation_error
+from kestrel.server.tokenization import lone_surrogate
 
 MAX_N = 128  # OpenAI's limit on choices per request
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -50,9 +53,11 @@ class _OpenAISampling(_Body):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
-    def _reject_unsupported(self) -> None:
+    def _check(self) -> None:
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
+        if problem := lone_surrogate(self.stop, "stop"):
+            raise bad_request(problem, "stop")
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -79,8 +84,9 @@ class CompletionRequest(_OpenAISampling):
     suffix: str | None = None
     best_of: int | None = None
 
-    def reject_unsupported(self) -> None:
-        self._reject_unsupported()
+    def check(self) -> None:
+        """What the field types cannot say: unsupported combinations, text no tokenizer can take."""
+        self._check()
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -98,8 +104,9 @@ class ChatCompletionRequest(_OpenAISampling):
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
 
-    def reject_unsupported(self) -> None:
-        self._reject_unsupported()
+    def check(self) -> None:
+        """What the field types cannot say: unsupported combinations, text no tokenizer can take."""
+        self._check()
         if self.tools:
             raise bad_request("tools are not supported", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -154,30 +161,77 @@ def validated(params: SamplingParams, vocab_size: int, api_names: dict[str, str]
     return params
 
 
-def native_sampling_params(raw: dict[str, Any] | None, logprobs: int | None) -> tuple[SamplingParams, int]:
-    """SGLang-style `sampling_params` dict → (SamplingParams, n)."""
-    raw = dict(raw or {})
-    n = raw.pop("n", 1)
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
-        raise bad_request(f"sampling_params.n must be an integer in [1, {MAX_N}], got {n!r}", "sampling_params")
-    unknown = sorted(set(raw) - set(ENGINE_PARAM_NAMES))
+def _native_sampling_body() -> type[BaseModel]:
+    """SGLang's `sampling_params` as a strict body model, built from SamplingParams' own fields and
+    types (so the two cannot drift apart), plus n."""
+    hints = typing.get_type_hints(SamplingParams)
+    fields: dict[str, Any] = {f.name: (hints[f.name], f.default) for f in dataclasses.fields(SamplingParams) if f.init}
+    return create_model("SamplingParamsBody", __base__=_Body, n=(int, Field(1, ge=1, le=MAX_N)), **fields)
+
+
+NativeSamplingParams = _native_sampling_body()
+
+
+def native_sampling_params(raw: dict[str, Any] | None,
+                           logprobs: int | None) -> tuple[SamplingParams, int, int | None]:
+    """SGLang-style `sampling_params` dict → (SamplingParams, n, max_new_tokens as given or None)."""
+    raw = raw or {}
+    unknown = sorted(set(raw) - set(NativeSamplingParams.model_fields))
     if unknown:
         raise bad_request(f"unknown sampling parameter(s) {', '.join(unknown)}; valid ones: "
                           f"{', '.join(ENGINE_PARAM_NAMES)}, n", "sampling_params")
+    try:
+        body = NativeSamplingParams.model_validate(raw)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+    if problem := lone_surrogate(body.stop, "sampling_params.stop"):
+        raise bad_request(problem, "stop")
+    fields = body.model_dump(exclude={"n"})
     if logprobs is not None:
-        raw["logprobs"] = logprobs
-    return SamplingParams(**raw), n
+        fields["logprobs"] = logprobs
+    return SamplingParams(**fields), body.n, raw.get("max_new_tokens")
 
 
-def expand_choices(prompts: list[list[int]], params: SamplingParams,
+def _context(limit: int, context_length: int) -> str:
+    if limit == context_length:
+        return f"this model's maximum context length is {limit} tokens"
+    return f"this server's maximum context length is {limit} tokens (its KV pool; the model's is {context_length})"
+
+
+def prompt_too_long(prompt_len: int, limit: int, context_length: int, prompt_name: str, param: str) -> APIError:
+    return bad_request(f"{_context(limit, context_length)}, but {prompt_name} has {prompt_len} tokens, leaving no "
+                       f"room for a completion; shorten {prompt_name}", param)
+
+
+def fit_max_tokens(prompt_len: int, asked: Any, default: int | None, limit: int, context_length: int,
+                   prompt_name: str, prompt_param: str, param: str) -> Any:
+    """max_new_tokens for a prompt of `prompt_len` tokens when prompt + output may hold `limit` tokens.
+
+    An explicit `asked` that does not fit is a 400 giving both numbers, as vLLM answers (never a
+    silent cut); a missing one (None) takes `default` (None: all the room left), cut to fit."""
+    room = limit - prompt_len
+    if room < 1:
+        raise prompt_too_long(prompt_len, limit, context_length, prompt_name, prompt_param)
+    if asked is None:
+        return room if default is None else min(default, room)
+    if isinstance(asked, int) and asked > room:  # other types: SamplingParams.validate names the error
+        raise bad_request(f"{_context(limit, context_length)}; however you requested {prompt_len + asked} tokens "
+                          f"({prompt_len} in {prompt_name}, {asked} for the completion); reduce {prompt_name} or "
+                          f"{param}", param)
+    return asked
+
+
+def expand_choices(prompts: list[list[int]], params: list[SamplingParams],
                    n: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    """n choices per prompt, prompt-major (choice index = prompt index * n + j), as OpenAI orders them.
+    """n choices per prompt (`params[i]` for prompt i), prompt-major (choice index = prompt index * n + j),
+    as OpenAI orders them.
 
     Choice 0 of a prompt keeps the seed, so n=1 and n>1 agree on it; the others get seeds derived
     from (seed, index). Without a seed the engine draws one per request."""
-    if params.seed is None:
-        per_prompt = [params] * n
-    else:
-        per_prompt = [params] + [dataclasses.replace(params, seed=random.Random(f"{params.seed}:{i}").getrandbits(63))
-                                 for i in range(1, n)]
-    return [ids for ids in prompts for _ in range(n)], per_prompt * len(prompts)
+    def choice(p: SamplingParams, i: int) -> SamplingParams:
+        if p.seed is None or i == 0:
+            return p
+        return dataclasses.replace(p, seed=random.Random(f"{p.seed}:{i}").getrandbits(63))
+
+    return ([ids for ids in prompts for _ in range(n)],
+            [choice(p, i) for p in params for i in range(n)])

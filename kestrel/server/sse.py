@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -17,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 from kestrel.server.errors import APIError
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 def sse_event(payload: Any) -> bytes:
@@ -27,13 +29,17 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 async def sse_stream(payloads: AsyncIterator[Any]) -> AsyncIterator[bytes]:
-    """One event per payload, then [DONE]; an APIError raised mid-stream (the engine died) is sent as
-    its error body before the stream ends."""
+    """One event per payload, then [DONE]. An APIError raised mid-stream (the engine died, a step
+    failed) is sent as its error body before [DONE]; so is any other exception (a bug), after logging
+    it: the client gets a well-formed end and the connection stays usable either way."""
     try:
         async for payload in payloads:
             yield sse_event(payload)
     except APIError as e:
         yield sse_event(e.body())
+    except Exception as e:
+        logger.exception("unhandled error while streaming a response")
+        yield sse_event(APIError(500, f"internal server error: {type(e).__name__}: {e}").body())
     yield SSE_DONE
 
 

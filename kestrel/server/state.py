@@ -1,6 +1,7 @@
-"""What every endpoint needs: the engine client, the tokenizer, names; and reading a request body."""
+"""What every endpoint needs: the engine client, tokenization, admission, names; reading a request body."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -10,36 +11,42 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kestrel.core.sampling_params import SamplingParams
+from kestrel.server.admission import AdmissionControl, Ticket, shutting_down
 from kestrel.server.engine_client import EngineClient
 from kestrel.server.errors import APIError, bad_request, from_validation_error
 from kestrel.server.generation import Generation
 from kestrel.server.metrics import ServerMetrics
+from kestrel.server.protocol import fit_max_tokens, prompt_too_long, validated
 from kestrel.server.sse import ClientGone, EventStream, until_disconnect
+from kestrel.server.tokenization import INLINE_BODY_BYTES, PromptError, PromptTooLong, Tokenization
 
 B = TypeVar("B", bound=BaseModel)
 
 
 @dataclass
 class ServerState:
-    client: EngineClient
-    tokenizer: Any  # None when the model folder has none: token-id prompts only
+    client: EngineClient  # replaced when the engine process is restarted (EngineSupervisor)
+    tokenization: Tokenization | None  # None when the model folder has no tokenizer: token-id prompts only
     served_model_name: str
     model_path: str
     metrics: ServerMetrics
+    admission: AdmissionControl
     api_key: str | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.tokenization.tokenizer if self.tokenization is not None else None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
             raise APIError(400, f"model {model!r} does not exist; this server serves {self.served_model_name!r} "
                                 "(see /v1/models)", "model", "model_not_found")
 
-    def need_tokenizer(self, what: str, param: str) -> Any:
-        if self.tokenizer is None:
+    def need_tokenization(self, what: str, param: str) -> Tokenization:
+        if self.tokenization is None:
             raise bad_request(f"this model has no tokenizer, so {what} cannot be used; send token ids", param)
-        return self.tokenizer
-
-    def encode(self, text: str, param: str) -> list[int]:
-        return self.need_tokenizer("text prompts", param).encode(text)
+        return self.tokenization
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
@@ -48,8 +55,58 @@ class ServerState:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
 
     def check_alive(self) -> None:
+        """503 while shutting down or while the engine process is dead (being restarted)."""
+        if self.admission.stopping:
+            raise shutting_down()
         if not self.client.alive:
             raise self.client.dead_error()
+
+    def admit(self, choices: int, param: str) -> Ticket:
+        self.check_alive()
+        return self.admission.admit(choices, param)
+
+    # ---- prompts -------------------------------------------------------------------------------
+    async def prompt_ids(self, ticket: Ticket, prompts: list[str | list[int]], param: str,
+                         body_bytes: int) -> list[list[int]]:
+        """Token ids of each prompt (text or ids); 400 for text the tokenizer cannot take or a prompt
+        that leaves no room in the context."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        names = [prompt_name(param, i, len(prompts)) for i, p in enumerate(prompts) if isinstance(p, str)]
+        encoded: list[list[int]] = []
+        if texts:
+            tokenization = self.need_tokenization("text prompts", param)
+            encoded = await self._tokenize(ticket, param, tokenization.encode(
+                texts, self.client.info.max_req_len, names, body_bytes <= INLINE_BODY_BYTES))
+        it = iter(encoded)
+        return [next(it) if isinstance(p, str) else p for p in prompts]
+
+    async def chat_prompt_ids(self, ticket: Ticket, messages: list[dict[str, Any]], body_bytes: int) -> list[int]:
+        tokenization = self.need_tokenization("chat messages", "messages")
+        return await self._tokenize(ticket, "messages", tokenization.chat(
+            messages, self.client.info.max_req_len, "messages", body_bytes <= INLINE_BODY_BYTES))
+
+    async def _tokenize(self, ticket: Ticket, param: str, work: Any) -> Any:
+        try:
+            return await ticket.unless_aborted(work)
+        except PromptError as e:
+            raise bad_request(str(e), param) from None
+        except PromptTooLong as e:
+            info = self.client.info
+            raise prompt_too_long(e.num_tokens, info.max_req_len, info.context_length, e.where, param) from None
+
+    def params_for(self, base: SamplingParams, prompts: list[list[int]], asked: Any, default: int | None,
+                   prompt_param: str, param: str, api_names: dict[str, str]) -> list[SamplingParams]:
+        """`base` for each prompt, with max_new_tokens fitted to its length (see `fit_max_tokens`)."""
+        info = self.client.info
+        return [validated(dataclasses.replace(base, max_new_tokens=fit_max_tokens(
+                    len(p), asked, default, info.max_req_len, info.context_length,
+                    prompt_name(prompt_param, i, len(prompts)), prompt_param, param)), info.vocab_size, api_names)
+                for i, p in enumerate(prompts)]
+
+
+def prompt_name(param: str, index: int, count: int) -> str:
+    """How an error names prompt `index` of `count`: `prompt[2]` in a batch, `prompt` alone."""
+    return f"{param}[{index}]" if count > 1 else param
 
 
 def _no_constant(name: str) -> Any:
@@ -57,15 +114,16 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
-async def parse_body(request: Request, model: type[B]) -> B:
-    """The JSON body validated against `model`; 400 for malformed JSON or invalid fields."""
+async def parse_body(request: Request, model: type[B]) -> tuple[B, int]:
+    """The JSON body validated against `model`, and its size in bytes; 400 for malformed JSON or
+    invalid fields (413 for too large a body comes from BodyLimitMiddleware while it is read)."""
     raw = await request.body()
     try:
         data = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     try:
-        return model.model_validate(data)
+        return model.model_validate(data), len(raw)
     except ValidationError as e:
         raise from_validation_error(e) from None
 
@@ -75,9 +133,14 @@ async def respond(request: Request, gen: Generation, stream: bool,
                   body: Callable[[], Any]) -> Response:
     """Start `gen`, then stream `events()` or wait for the end and answer `body()` as JSON.
 
-    Either way, a client that leaves aborts the unfinished engine requests.
+    Either way, a client that leaves aborts the unfinished engine requests, and `gen`'s ticket is
+    given back once the response has ended.
     """
-    await gen.start()
+    try:
+        await gen.start()
+    except BaseException:
+        gen.close()
+        raise
     if stream:
         return EventStream(events(), gen.close)
     try:

@@ -1,4 +1,4 @@
-"""`kestrel serve` as a subprocess on a free loopback port, for the server tests."""
+"""`kestrel serve` as a subprocess on a free loopback port, and what the server tests read from it."""
 from __future__ import annotations
 
 import os
@@ -11,6 +11,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,3 +73,33 @@ def pid_exists(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def memory_mib(pid: int) -> dict[str, float]:
+    """A process's resident memory now (VmRSS) and at its peak so far (VmHWM), in MiB."""
+    with open(f"/proc/{pid}/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return {name: int(fields[name].split()[0]) / 1024 for name in ("VmRSS", "VmHWM")}
+
+
+def wait_idle(http: httpx.Client, timeout: float = 30.0) -> dict:
+    """Poll until the engine runs nothing and holds no KV (the pool is back to full); return its stats.
+
+    `http` must send the API key if the server has one (/server_info needs it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = http.get("/server_info").json()["stats"]
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["num_used_tokens"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"engine not idle: {stats}"
+        time.sleep(0.05)
+
+
+def metric_samples(http: httpx.Client) -> dict[tuple[str, tuple], float]:
+    text = http.get("/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)

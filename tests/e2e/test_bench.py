@@ -36,12 +36,16 @@ def test_one_batch_and_offline_benchmarks(tiny_model, tmp_path, capsys):
     assert "kestrel / transformers" in capsys.readouterr().out
 
 
-def test_serving_benchmark_against_a_live_server(tiny_model, tmp_path):
-    server = ServerProcess(tiny_model("llama"))
+def test_serving_benchmark_against_a_live_server_learns_its_vocabulary(tiny_model, tmp_path, capsys):
+    """No --vocab-size: the benchmark reads it from the server (the tiny model has 512 tokens, far
+    below the 32000 it used to assume)."""
+    server = ServerProcess(tiny_model("llama"), "--api-key", "sk-bench")
     try:
-        assert main(["bench", "serving", "--base-url", server.url, "--num-prompts", "6", "--max-concurrency", "3",
-                     "--random-input-len", "20", "--random-output-len", "5", "--vocab-size", "500",
+        assert main(["bench", "serving", "--base-url", server.url, "--api-key", "sk-bench", "--num-prompts", "6",
+                     "--max-concurrency", "3", "--random-input-len", "20", "--random-output-len", "5",
                      "--json", str(tmp_path / "serving.json")]) == 0
+        assert main(["bench", "serving", "--base-url", server.url, "--num-prompts", "2"]) == 2  # no key
+        assert "pass --vocab-size, or --api-key" in capsys.readouterr().err
     finally:
         assert server.stop() == 0
     result = json.loads((tmp_path / "serving.json").read_text())

@@ -13,11 +13,11 @@ import time
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kestrel import Engine, SamplingParams
 from kestrel.engine.tokenizer import apply_chat_template
-from tests.e2e.server_process import REPO, ServerProcess, free_port, pid_exists, serve_command
+from tests.e2e import server_process
+from tests.e2e.server_process import REPO, ServerProcess, free_port, metric_samples, pid_exists, serve_command, wait_idle
 
 NAME = "tiny"
 KEY = "sk-test"
@@ -59,26 +59,8 @@ def greedy(max_tokens: int) -> dict:
     return dict(model=NAME, max_tokens=max_tokens, temperature=0, extra_body=IGNORE_EOS)
 
 
-def wait_idle(http: httpx.Client, timeout: float = 30.0) -> dict:
-    """Poll until the engine runs nothing and holds no KV (the pool is back to full); return its stats."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = http.get("/server_info").json()["stats"]
-        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["num_used_tokens"] == 0:
-            return stats
-        assert time.monotonic() < deadline, f"engine not idle: {stats}"
-        time.sleep(0.05)
-
-
-def metric_samples(http: httpx.Client) -> dict[tuple[str, tuple], float]:
-    text = http.get("/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
 def metric(samples: dict, name: str, **labels: str) -> float:
-    key = (name, tuple(sorted({"model_name": NAME, **labels}.items())))
-    return samples.get(key, 0.0)
+    return server_process.metric(samples, name, model_name=NAME, **labels)
 
 
 # ---- completions and chat -----------------------------------------------------------------------
@@ -242,7 +224,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": [3, 4, 100000]}, "prompt"),  # token id outside the vocabulary
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": "", "max_tokens": 3}, "prompt"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 10**7}, "prompt"),  # more than the KV pool
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**7}, "max_tokens"),  # more than the context
     ("/v1/chat/completions", {"model": NAME}, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
@@ -285,18 +267,38 @@ def test_disconnect_aborts_the_request_and_frees_its_kv(http):
     assert metric(metric_samples(http), "kestrel:num_requests_total", finish_reason="abort") == aborted + 2
 
 
-def test_api_key_is_enforced_on_v1_and_generate(server):
+def test_api_key_is_enforced_on_v1_generate_and_server_info(server, http):
     with httpx.Client(base_url=server.url, timeout=30) as anon:
         for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                             ("POST", "/generate")]:
+                             ("POST", "/generate"), ("GET", "/server_info")]:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
                 r = anon.request(method, path, headers=headers, json={})
                 assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
         assert anon.get("/health").status_code == 200
         assert anon.get("/metrics").status_code == 200
+        assert anon.get("/openapi.json").status_code == 200  # the schema has no secrets
+    assert http.get("/server_info").json()["engine_pid"] > 0
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def test_openapi_schema_describes_every_endpoint_and_its_body(http):
+    schema = http.get("/openapi.json").json()
+    assert schema["openapi"].startswith("3.")
+    paths = schema["paths"]
+    for path in ["/health", "/metrics", "/server_info", "/v1/models"]:
+        assert "get" in paths[path], path
+    components = schema["components"]["schemas"]
+    for path, model, field in [("/v1/completions", "CompletionRequest", "max_tokens"),
+                               ("/v1/chat/completions", "ChatCompletionRequest", "messages"),
+                               ("/generate", "GenerateRequest", "sampling_params")]:
+        ref = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{model}"
+        assert field in components[model]["properties"], (model, field)
+    stream_options = components["CompletionRequest"]["properties"]["stream_options"]
+    refs = [option.get("$ref") for option in stream_options.get("anyOf", [stream_options])]
+    assert "#/components/schemas/StreamOptions" in refs and "StreamOptions" in components  # nested models resolve
 
 
 def test_metrics_parse_and_count_tokens(client, http):
@@ -354,21 +356,45 @@ def test_unloadable_model_exits_nonzero_with_the_reason(model, tmp_path):
     assert "could not load the model" in run.stderr, run.stderr
 
 
-def test_dead_engine_gives_503_and_unhealthy_instead_of_hanging(model):
+def test_dead_engine_gives_503_then_the_server_restarts_it(model):
+    """A killed engine: in-flight streams get an error event and [DONE], new requests 503, /metrics says
+    engine_alive 0 with the engine's gauges zeroed (not their last values); then a new engine process
+    loads the model and the server serves again."""
     srv = ServerProcess(model, "--served-model-name", NAME)
     try:
         with httpx.Client(base_url=srv.url, timeout=30) as http:
             engine_pid = http.get("/server_info").json()["engine_pid"]
-            os.kill(engine_pid, signal.SIGKILL)
-            deadline = time.monotonic() + 20
-            while http.get("/health").status_code != 503:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            assert http.get("/health").json()["error"]["code"] == "engine_dead"
+            body = {"prompt": "a long story", "max_tokens": 900, "ignore_eos": True, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                next(line for line in lines if line.startswith("data: "))
+                deadline = time.monotonic() + 20
+                while metric(metric_samples(http), "kestrel:num_running_reqs") != 1:  # the gauge is live
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                os.kill(engine_pid, signal.SIGKILL)
+                events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "engine_dead"
+            r = http.get("/health")
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+            samples = metric_samples(http)
+            assert metric(samples, "kestrel:engine_alive") == 0
+            assert metric(samples, "kestrel:num_running_reqs") == 0 and metric(samples, "kestrel:token_usage") == 0
             r = http.post("/v1/completions", json={"prompt": "anyone?", "max_tokens": 2})
             assert r.status_code == 503 and "engine process" in r.json()["error"]["message"]
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
             with pytest.raises(openai.InternalServerError):
                 c.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=2)
+
+            deadline = time.monotonic() + 90
+            while http.get("/health").status_code != 200:  # the new engine process loads the model
+                assert time.monotonic() < deadline, srv.log()
+                time.sleep(0.2)
+            assert http.get("/server_info").json()["engine_pid"] not in (engine_pid, None)
+            samples = metric_samples(http)
+            assert metric(samples, "kestrel:engine_alive") == 1
+            assert metric(samples, "kestrel:engine_restarts_total") == 1
+            assert c.completions.create(prompt="back again", **greedy(3)).usage.completion_tokens == 3
+        assert not pid_exists(engine_pid)
     finally:
         assert srv.stop() == 0, srv.log()
