@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 
 REPO = Path(__file__).resolve().parents[1]
 # When each phase must end, as shares of --time-budget; evaluation (~40 s on 2 cores) follows training.
-ENDS = {"own continuations": 0.08, "features": 0.26, "training": 0.88}
+ENDS = {"own continuations": 0.12, "features": 0.32, "training": 0.88}
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_demo_model as demo_training  # noqa: E402  (corpus, held-out files, tokenization)
@@ -298,7 +298,7 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--window", type=int, default=256, help="tokens per corpus window")
-    p.add_argument("--corpus-windows", type=int, default=2400, help="at most this many corpus windows")
+    p.add_argument("--corpus-windows", type=int, default=4000, help="at most this many corpus windows")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--gen-tokens", type=int, default=96)
     p.add_argument("--gen-batch", type=int, default=32)
