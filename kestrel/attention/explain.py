@@ -33,6 +33,7 @@ def explain_plan(config: "EngineConfig") -> str:
         name = prefill.name if half == "prefill" else decode.name
         note = f"  (speculative_attention_mode={spec_mode})" if mode is ForwardMode.TARGET_VERIFY else ""
         lines.append(f"  {mode.name:<14} -> {half} half: {name}{note}")
+    lines += _speculative_lines(config)
     graphs = cuda_graph_backends(config)
     graph_note = "" if config.device != "cpu" else "  (CUDA graphs are not used on cpu)"
     lines += ["", f"cuda-graph capture set: {', '.join(graphs)}{graph_note}", "", "decisions (reads → answer):"]
@@ -40,3 +41,26 @@ def explain_plan(config: "EngineConfig") -> str:
         lines.append(f"  {d.name:<22} reads {d.reads:<40} -> {d.fn(config)!r}   [{d.used_by}]")
     lines.append(f"\n(default backend for this device: {default_backend(config)})")
     return "\n".join(lines)
+
+
+def _speculative_lines(config: "EngineConfig") -> list[str]:
+    """The draft side of the plan, when an algorithm is set: its shape and the draft backends."""
+    from kestrel.spec.draft_backends import draft_backend_plan
+
+    spec = config.speculative
+    if spec.speculative_algorithm is None:
+        return []
+    lines = ["", f"speculative decoding: {spec.speculative_algorithm}  steps {spec.speculative_num_steps}, "
+             f"topk {spec.speculative_eagle_topk}, draft tokens {spec.speculative_num_draft_tokens}; "
+             f"off above {spec.speculative_disable_batch_size} running requests"]
+    plan = draft_backend_plan(config)
+    if plan is None:
+        return lines + ["  draft backends: none (NGRAM drafts from the request's tokens, no draft model)"]
+    lines.append(f"  draft model: {spec.speculative_draft_model_path}")
+    if plan.decode is None:
+        lines.append(f"  draft decode   none           (speculative_num_steps={spec.speculative_num_steps}: "
+                     "the draft extend's top-k is the only level)")
+    else:
+        lines.append(f"  draft decode   {plan.decode:<14} x{plan.decode_steps} (one per draft step), {plan.decode_source}")
+    lines.append(f"  draft extend   {plan.extend:<14} {plan.extend_source}")
+    return lines

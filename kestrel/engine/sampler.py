@@ -227,6 +227,54 @@ def uniform_coins(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch
     return uniform_noise(seed_lo, seed_hi, positions, n, first_counter=_COIN_STREAM)
 
 
+# ---- filters and the race (shared with speculative acceptance, kestrel.spec.accept) ----
+
+def filtered_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor | None,
+                   top_ps: torch.Tensor | None, min_ps: torch.Tensor | None) -> torch.Tensor:
+    """softmax(logits / temperature) per row [B, V] with the tokens top-k / top-p / min-p drop set to 0;
+    not renormalized (the race does not need it). None disables a filter for every row."""
+    probs = torch.softmax(logits / temperatures[:, None], dim=-1)
+    keep = keep_mask(probs, top_ks, top_ps, min_ps)
+    return probs if keep is None else probs.masked_fill(~keep, 0.0)
+
+
+def keep_mask(probs: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None,
+              min_ps: torch.Tensor | None) -> torch.Tensor | None:
+    """Tokens surviving top-k, then top-p (on the top-k-renormalized mass), then min-p; None if no filter.
+
+    The most likely token always survives, so every row keeps a non-empty support.
+    """
+    keep = None
+    if top_ks is not None or top_ps is not None:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(probs.shape[-1], device=probs.device)
+        keep_sorted = torch.ones_like(sorted_p, dtype=torch.bool)
+        if top_ks is not None:
+            keep_sorted = rank[None, :] < top_ks[:, None]
+            sorted_p = sorted_p * keep_sorted
+        if top_ps is not None:
+            cum = sorted_p.cumsum(dim=-1)
+            mass_before = cum - sorted_p
+            # Keep a token while the mass strictly above it is below top_p; the top token has
+            # mass_before == 0 < top_p. Disabled rows hold inf so rounding can never drop a token.
+            keep_sorted = keep_sorted & (mass_before < top_ps[:, None] * cum[:, -1:])
+        keep = torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
+    if min_ps is not None:
+        above = probs >= min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
+        keep = above if keep is None else keep & above
+    return keep
+
+
+def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Scores whose row argmax is token i with probability probs_i / sum(probs): probs / E with
+    E = -log(noise) ~ Exp(1). Zero-probability tokens score -1, below every other."""
+    # Robust to noise at the extremes anyway: E stays > 0 (-log(1) is -0.0, and p / -0.0 = -inf),
+    # and a filtered token scores -1, below every kept one, never 0 / E (NaN for E = 0, which an
+    # argmax takes).
+    exp = (-torch.log(noise)).clamp_(min=torch.finfo(torch.float32).tiny)
+    return torch.where(probs > 0, probs / exp, -1.0)
+
+
 # ---- sampler ----
 
 @dataclass
@@ -307,44 +355,11 @@ class Sampler:
         return PendingSample(token_ids, self._payload(logits, token_ids, batch), batch.logprob_asks)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        probs = torch.softmax(logits / batch.temperatures[:, None], dim=-1)
-        keep = self._keep_mask(probs, batch)
-        if keep is not None:
-            probs = probs.masked_fill(~keep, 0.0)
+        probs = filtered_probs(logits, batch.temperatures, batch.top_ks, batch.top_ps, batch.min_ps)
         # Exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability
         # p_i / sum(p), so the filtered probs need no renormalization.
-        u = uniform_noise(batch.seed_lo, batch.seed_hi, batch.positions, logits.shape[-1])
-        # Robust to noise at the extremes anyway: E stays > 0 (-log(1) is -0.0, and p / -0.0 = -inf),
-        # and a filtered token scores -1, below every kept one, never 0 / E (NaN for E = 0, which an
-        # argmax takes).
-        exp = (-torch.log(u)).clamp_(min=torch.finfo(torch.float32).tiny)
-        return self._argmax(torch.where(probs > 0, probs / exp, -1.0))
-
-    @staticmethod
-    def _keep_mask(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
-        """Tokens surviving top-k, then top-p (on the top-k-renormalized mass), then min-p.
-
-        The most likely token always survives, so every row keeps a non-empty support.
-        """
-        keep = None
-        if batch.top_ks is not None or batch.top_ps is not None:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            rank = torch.arange(probs.shape[-1], device=probs.device)
-            keep_sorted = torch.ones_like(sorted_p, dtype=torch.bool)
-            if batch.top_ks is not None:
-                keep_sorted = rank[None, :] < batch.top_ks[:, None]
-                sorted_p = sorted_p * keep_sorted
-            if batch.top_ps is not None:
-                cum = sorted_p.cumsum(dim=-1)
-                mass_before = cum - sorted_p
-                # Keep a token while the mass strictly above it is below top_p; the top token has
-                # mass_before == 0 < top_p. Disabled rows hold inf so rounding can never drop a token.
-                keep_sorted = keep_sorted & (mass_before < batch.top_ps[:, None] * cum[:, -1:])
-            keep = torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
-        if batch.min_ps is not None:
-            above = probs >= batch.min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
-            keep = above if keep is None else keep & above
-        return keep
+        return self._argmax(exponential_race(probs, uniform_noise(batch.seed_lo, batch.seed_hi, batch.positions,
+                                                                  logits.shape[-1])))
 
     @staticmethod
     def _payload(logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kestrel import Engine, SamplingParams
-from kestrel.assets import BUNDLED_MODELS, resolve_model_path
+from kestrel.assets import BUNDLED_HEADS, BUNDLED_MODELS, resolve_model_path
 from kestrel.cli import main
 from kestrel.config import EngineConfig
 from kestrel.engine.tokenizer import apply_chat_template, load_tokenizer
@@ -39,7 +39,8 @@ def test_names_resolve_to_bundled_folders_and_paths_pass_through(tmp_path):
 
 
 def test_models_fit_the_package_budget():
-    size = sum(f.stat().st_size for name in BUNDLED_MODELS for f in Path(resolve_model_path(name)).iterdir())
+    size = sum(f.stat().st_size for name in BUNDLED_MODELS + BUNDLED_HEADS
+               for f in Path(resolve_model_path(name)).iterdir())
     assert size <= 40 * 1024 * 1024
 
 

@@ -1,0 +1,401 @@
+"""Train `demo-eagle`, an EAGLE head for the bundled `demo` model, by self-distillation on a CPU.
+
+    python scripts/train_eagle_head.py --bf16               # < 10 minutes on 2 cores, writes kestrel/assets/demo-eagle
+    python scripts/train_eagle_head.py --time-budget 120 --out /tmp/eagle   # a quick run
+
+The head (kestrel.models.llama_eagle.EagleHead: fc on [embedding, feature], one decoder layer without
+input norm, demo's own lm_head) learns to predict demo's next feature (its last hidden state after the
+final norm) and demo's next-token distribution, from two kinds of text, both scored by demo itself:
+windows of demo's training corpus (the stdlib files of scripts/train_demo_model.py, held-out files
+excluded) and demo's own sampled and greedy continuations of corpus prompts (what it sees when serving).
+demo's embedding and lm_head are frozen and shared, as in serving. Loss per position: smooth-L1 to the
+next feature + soft cross-entropy to demo's next-token distribution; `--unroll 2` also trains the second
+drafted token on the head's own feature (as drafting steps after the first run).
+
+Every phase runs against one wall-clock budget (`--time-budget`, default 520 s): data collection stops
+early if the machine is slow, training stops when its share is spent (the learning-rate schedule
+follows elapsed time), so the run ends in time on a shared machine. The head is saved in bf16 with the
+public EAGLE checkpoint names, reloaded through kestrel's loader, and evaluated on the held-out files:
+top-1 agreement of the head with demo (teacher-forced features: the first drafted token; the head's own
+feature: the second) and the mean accept length greedy chain drafting would get on held-out prompts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import shlex
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+REPO = Path(__file__).resolve().parents[1]
+# When each phase must end, as shares of --time-budget; evaluation (~40 s on 2 cores) follows training.
+ENDS = {"own continuations": 0.12, "features": 0.32, "training": 0.88}
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_demo_model as demo_training  # noqa: E402  (corpus, held-out files, tokenization)
+
+from kestrel.assets import resolve_model_path  # noqa: E402
+from kestrel.models.arch_config import parse_arch_config  # noqa: E402
+from kestrel.models.llama_eagle import EagleHead, TargetParts, load_eagle_head  # noqa: E402
+
+
+def log(*parts: object) -> None:
+    print(*parts, flush=True)
+
+
+class Clock:
+    """Seconds since start, and each phase's deadline as a share of the budget."""
+
+    def __init__(self, budget: float) -> None:
+        self.start, self.budget = time.time(), budget
+
+    def elapsed(self) -> float:
+        return time.time() - self.start
+
+    def left_until(self, share: float) -> float:
+        return self.budget * share - self.elapsed()
+
+
+class DraftChains:
+    """Attention backend that drafts a chain from every position of `num_windows` windows at once.
+
+    Pass 1 reads demo's features at every position, causally (as DRAFT_EXTEND does; its entry t also
+    drafts the first token after the root x[t+1]). Pass k > 1 holds the k-th drafted token of each
+    chain: entry t attends to pass 1's keys up to t (the draft's KV cache at its root) and to its own
+    chain's entries of passes 2..k, as draft decode does when serving. The passes' keys stay here."""
+
+    name = "draft_chains"
+
+    def __init__(self, num_windows: int) -> None:
+        self.num_windows = num_windows
+        self.passes: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, q, k, v, layer, batch):
+        b, group, scale = self.num_windows, layer.num_heads // layer.num_kv_heads, layer.scaling
+
+        def heads(x, n):  # [T, n * D] -> [B, heads, len, D], KV heads repeated to meet the query heads
+            x = x.view(b, -1, n, layer.head_dim).transpose(1, 2)
+            return x if n == layer.num_heads else x.repeat_interleave(group, dim=1)
+
+        q = heads(q, layer.num_heads)
+        self.passes.append((heads(k, layer.num_kv_heads), heads(v, layer.num_kv_heads)))
+        (k1, v1), chain = self.passes[0], self.passes[1:]
+        n, context_len = q.shape[2], k1.shape[2]
+        context = torch.einsum("bhtd,bhsd->bhts", q, k1) * scale
+        context = context.masked_fill(torch.arange(context_len) > torch.arange(n)[:, None], float("-inf"))
+        own = [(q * ki[:, :, :n]).sum(-1, keepdim=True) * scale for ki, _ in chain]
+        p = torch.cat([context, *own], dim=-1).softmax(-1)
+        out = p[..., :context_len] @ v1
+        for i, (_, vi) in enumerate(chain):
+            out = out + p[..., context_len + i, None] * vi[:, :, :n]
+        return out.transpose(1, 2).reshape(-1, layer.num_heads * layer.head_dim)
+
+
+def draft_passes(head, tokens: torch.Tensor, feats: torch.Tensor, num_passes: int):
+    """tokens [B, L] and demo's features [B, L, H] -> for each pass k = 1..num_passes, the head's
+    (features, logits) of shape [B, L - k, ...]. Entry t of pass k is at position t+k-1 and reads token
+    t+k with demo's feature t (k = 1) or pass k-1's entry t (k > 1): it drafts token t+k+1."""
+    b = tokens.shape[0]
+    batch = SimpleNamespace(attn_backend=DraftChains(b))
+    out, inputs = [], feats[:, :-1]
+    for k in range(1, num_passes + 1):
+        n = tokens.shape[1] - k
+        positions = torch.arange(k - 1, k - 1 + n).repeat(b)
+        hidden, logits = head(tokens[:, k:].flatten(), positions, inputs[:, :n].flatten(0, 1), batch)
+        out.append((hidden.view(b, n, -1), logits.view(b, n, -1)))
+        inputs = out[-1][0]
+    return out
+
+
+# ---- data ------------------------------------------------------------------------------------------
+@torch.no_grad()
+def target_features(target, windows: torch.Tensor, batch_size: int, clock: Clock, share: float):
+    """demo's final-normed last hidden state at every position of each window, as float16 to halve memory;
+    stops when the phase's time share is spent (returns the windows it finished)."""
+    feats = []
+    for i in range(0, len(windows), batch_size):
+        if clock.left_until(share) <= 0:
+            break
+        feats.append(target.model(input_ids=windows[i:i + batch_size]).last_hidden_state.half())
+    done = sum(len(f) for f in feats)
+    return windows[:done], torch.cat(feats) if feats else None
+
+
+@torch.no_grad()
+def own_continuations(target, stream: torch.Tensor, args, clock: Clock, share: float, gen: torch.Generator):
+    """demo's continuations of random corpus prompts: half sampled (temperature 0.8), half greedy."""
+    outs = []
+    while clock.left_until(share) > 0:
+        starts = torch.randint(0, len(stream) - args.prompt_len, (args.gen_batch, 1), generator=gen)
+        prompts = stream[starts + torch.arange(args.prompt_len)]
+        sample = len(outs) % 2 == 0
+        out = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.gen_tokens,
+                              min_new_tokens=args.gen_tokens, do_sample=sample, temperature=0.8 if sample else None,
+                              top_k=None, top_p=None, pad_token_id=demo_training.PAD)
+        outs.append(out)
+    return torch.cat(outs) if outs else torch.empty(0, args.prompt_len + args.gen_tokens, dtype=torch.long)
+
+
+# ---- training --------------------------------------------------------------------------------------
+def losses(head, lm_head_weight, tokens, feats, noise: torch.Tensor, unroll: int, measure: bool):
+    """Mean (feature smooth-L1, soft cross-entropy) over the tokens drafted in `unroll` passes (each
+    entry learns demo's next feature and next-token distribution); with `measure`, pass 1's top-1
+    agreement too (an argmax over the vocabulary: only on logged steps)."""
+    total_reg = total_ce = 0.0
+    agree = None
+    passes = draft_passes(head, tokens, torch.cat([feats[:, :-1] + noise, feats[:, -1:]], 1), unroll)
+    for k, (pred, logits) in enumerate(passes, start=1):
+        next_feat = feats[:, k:]
+        with torch.no_grad():
+            target_logp = F.log_softmax((next_feat @ lm_head_weight.T).float(), -1)
+            if measure and k == 1:
+                agree = (logits.argmax(-1) == target_logp.argmax(-1)).float().mean().item()
+        total_reg = total_reg + F.smooth_l1_loss(pred.float(), next_feat)
+        total_ce = total_ce - (target_logp.exp() * F.log_softmax(logits.float(), -1)).sum(-1).mean()
+    return total_reg / unroll, total_ce / unroll, agree
+
+
+class ThreadPicker:
+    """On a shared machine two threads can be slower than one (they wait for each other behind other
+    processes): every `every` steps, time one step with each count and keep the faster."""
+
+    def __init__(self, most: int, every: int = 60) -> None:
+        self.choices, self.every, self.best, self.times = sorted({1, most}), every, most, {}
+
+    def before(self, step: int) -> None:
+        trial = step % self.every
+        torch.set_num_threads(self.choices[trial - 1] if 1 <= trial <= len(self.choices) else self.best)
+        self.started = time.time()
+
+    def after(self, step: int) -> None:
+        trial = step % self.every
+        if 1 <= trial <= len(self.choices):
+            self.times[self.choices[trial - 1]] = time.time() - self.started
+            if trial == len(self.choices):
+                self.best = min(self.times, key=self.times.get)
+
+
+def train(head, lm_head_weight, sets, args, clock: Clock, share: float) -> dict:
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator().manual_seed(args.seed + 2)
+    threads = ThreadPicker(args.threads)
+    begin, end = clock.elapsed(), clock.budget * share
+    step, tokens_seen = 0, 0
+    weights = torch.tensor([w.numel() for w, _ in sets], dtype=torch.float)  # sample by tokens
+    while clock.elapsed() < end:
+        threads.before(step)
+        progress = (clock.elapsed() - begin) / max(1e-6, end - begin)
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1))))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        windows, feats = sets[int(torch.multinomial(weights, 1, generator=gen))]
+        rows = torch.randint(0, len(windows), (args.batch_size,), generator=gen)
+        clean = feats[rows].float()
+        noise = args.feature_noise * torch.randn(clean[:, :-1].shape, generator=gen)  # robustness to own features
+        logged = (step + 1) % args.log_every == 0
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            reg, ce, agree = losses(head, lm_head_weight, windows[rows], clean, noise, args.unroll, logged)
+        loss = args.reg_weight * reg + ce
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        threads.after(step)
+        step += 1
+        tokens_seen += rows.numel() * (windows.shape[1] - 1)
+        if logged:
+            log(f"  step {step} reg {reg.item():.4f} ce {ce.item():.3f} top-1 {agree:.3f} lr {lr:.2e} "
+                f"{tokens_seen / (clock.elapsed() - begin):,.0f} positions/s, {threads.best} thread(s), "
+                f"{clock.elapsed():.0f}s")
+    torch.set_num_threads(args.threads)
+    return {"steps": step, "positions_trained": tokens_seen, "seconds": round(clock.elapsed() - begin, 1)}
+
+
+# ---- saving and evaluation -------------------------------------------------------------------------
+def public_tensors(head: EagleHead) -> dict[str, torch.Tensor]:
+    """The head's weights under the EAGLE checkpoint names (merged projections split back), in bf16."""
+    out = {}
+    for name, tensor in head.state_dict().items():
+        module_name, _, leaf = name.rpartition(".")
+        owner, _, kind = module_name.rpartition(".")
+        parts = [(part, shard) for part, (merged, shard) in head.stacked_params.items() if merged == kind]
+        module = head.get_submodule(module_name)
+        for part, shard in parts:
+            out[f"{owner}.{part}.{leaf}"] = module.shard(tensor, shard)
+        if not parts:
+            out[name] = tensor
+    return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in out.items()}
+
+
+@torch.no_grad()
+def agreement(head, lm_head_weight, windows, feats) -> dict:
+    """Top-1 agreement with demo's greedy next token on held-out windows, for the first and the second
+    drafted token of a chain (the second drafted on the head's own feature)."""
+    hits, counts = [0, 0], [0, 0]
+    for i in range(0, len(windows), 16):
+        f = feats[i:i + 16].float()
+        target_next = (f @ lm_head_weight.T).argmax(-1)  # demo's greedy token after each position
+        for k, (_, logits) in enumerate(draft_passes(head, windows[i:i + 16], f, 2), start=1):
+            hits[k - 1] += (logits.argmax(-1) == target_next[:, k:]).sum().item()
+            counts[k - 1] += logits.shape[0] * logits.shape[1]
+    return {"draft_step_1_top1": round(hits[0] / counts[0], 4), "draft_step_2_top1": round(hits[1] / counts[1], 4),
+            "positions": counts[0]}
+
+
+@torch.no_grad()
+def chain_accept_length(head, target, prompts: torch.Tensor, new_tokens: int, steps: tuple[int, ...]) -> dict:
+    """Mean tokens per verify round (accepted drafts + the bonus) that greedy chain speculation with
+    k draft steps commits while demo greedily continues held-out prompts. Exact: each chain is drafted
+    with the attention serving uses, on tokens equal to the drafted ones wherever those are accepted."""
+    out = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=demo_training.PAD)
+    feats = target.model(input_ids=out).last_hidden_state
+    # correct[k-1][row][t]: the k-th token drafted for the root at t+1 is demo's greedy token t+k+1.
+    correct = [(logits[:, :-1].argmax(-1) == out[:, k + 1:]).tolist()
+               for k, (_, logits) in enumerate(draft_passes(head, out, feats, max(steps)), start=1)]
+    length, result = out.shape[1], {}
+    for k in steps:
+        rounds = committed = 0
+        for row in range(len(out)):
+            root = prompts.shape[1]  # the round's root: committed by the last round, no feature yet
+            while root < length - 1:
+                depth = min(k, length - 1 - root)
+                accepted = next((i for i in range(depth) if not correct[i][row][root - 1]), depth)
+                step = min(accepted + 1, length - 1 - root)  # the accepted drafts and the bonus token
+                rounds, committed, root = rounds + 1, committed + step, root + step
+        result[f"chain_{k}_steps"] = round(committed / rounds, 3)
+    return result
+
+
+def head_config(target_config: dict) -> dict:
+    """An EAGLE-1 config: the target's LlamaConfig with one layer (the public heads are saved this way)."""
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rms_norm_eps", "rope_parameters", "rope_theta", "max_position_embeddings", "vocab_size", "hidden_act",
+            "bos_token_id", "eos_token_id", "pad_token_id")
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1, "bias": True,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            **{k: target_config[k] for k in keep if k in target_config}}
+
+
+# ---- main ------------------------------------------------------------------------------------------
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=REPO / "kestrel" / "assets" / "demo-eagle")
+    p.add_argument("--time-budget", type=float, default=520.0,
+                   help="seconds for the phases up to the end of training, which leaves evaluation (~40-80 s) "
+                        "inside 10 minutes")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--window", type=int, default=256, help="tokens per corpus window")
+    p.add_argument("--corpus-windows", type=int, default=4000, help="at most this many corpus windows")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--gen-tokens", type=int, default=96)
+    p.add_argument("--gen-batch", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=8, help="windows per training step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--unroll", type=int, default=1,
+                   help="draft passes trained per step (2: also the second drafted token, on the head's own feature; "
+                        "at this budget 1 scored better: twice the positions)")
+    p.add_argument("--reg-weight", type=float, default=1.0, help="weight of the feature loss (EAGLE: 1)")
+    p.add_argument("--feature-noise", type=float, default=0.05, help="std of noise added to input features")
+    p.add_argument("--bf16", action="store_true",
+                   help="train under bf16 autocast (~1.5x faster on CPUs with AMX / AVX512-BF16)")
+    p.add_argument("--log-every", type=int, default=25)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    command = "python " + shlex.join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)])
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    clock = Clock(args.time_budget)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    demo = Path(resolve_model_path("demo"))
+    target = AutoModelForCausalLM.from_pretrained(demo, dtype=torch.float32).eval().requires_grad_(False)
+    tok = AutoTokenizer.from_pretrained(demo)
+    lm_head_weight = target.lm_head.weight.detach()
+    log(f"command: {command}\nPython {platform.python_version()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, budget {args.time_budget:.0f}s")
+
+    # Corpus: a random subset of the training files (never the held-out ones), tokenized as demo was trained.
+    files, _ = demo_training.collect_corpus(Path(sysconfig.get_paths()["stdlib"]))
+    held_out = {f: files.pop(f) for f in demo_training.HELD_OUT}
+    names = sorted(files)
+    random.Random(args.seed).shuffle(names)
+    needed = args.corpus_windows * (args.window + 1) * 4  # characters, at ~3.6 per token
+    chosen, chars = [], 0
+    for name in names:
+        chosen.append(files[name])
+        chars += len(files[name])
+        if chars >= needed:
+            break
+    stream = torch.tensor([t for d in demo_training.encode_docs(tok, chosen) for t in d])
+    gen = torch.Generator().manual_seed(args.seed)
+    starts = torch.randperm(len(stream) - args.window - 1, generator=gen)[:args.corpus_windows]
+    corpus_windows = stream[starts[:, None] + torch.arange(args.window + 1)]
+    log(f"corpus: {len(chosen)} of {len(files)} training files, {len(stream):,} tokens ({clock.elapsed():.0f}s)")
+
+    own = own_continuations(target, stream, args, clock, ENDS["own continuations"], gen)
+    log(f"demo's own continuations: {len(own)} x {own.shape[1]} tokens ({clock.elapsed():.0f}s)")
+    sets = []
+    for label, windows in (("own continuations", own), ("corpus windows", corpus_windows)):
+        windows, feats = target_features(target, windows, 16, clock, ENDS["features"])
+        if feats is not None:
+            sets.append((windows, feats))
+        log(f"features: {len(windows)} {label} ({windows.numel():,} tokens) ({clock.elapsed():.0f}s)")
+
+    config = head_config(json.loads((demo / "config.json").read_text()))
+    # Under autocast the lm_head would be cast to bf16 at every matmul: cast it once.
+    train_lm_head = lm_head_weight.to(torch.bfloat16) if args.bf16 else lm_head_weight
+    train_parts = TargetParts(target.model.embed_tokens, lambda h: F.linear(h, train_lm_head))
+    head = EagleHead(parse_arch_config(config), train_parts, fc_bias=True,
+                     max_positions=config["max_position_embeddings"])
+    log(f"head: {sum(p.numel() for p in head.parameters()):,} parameters; training until "
+        f"{args.time_budget * ENDS['training']:.0f}s")
+    trained = train(head, train_lm_head, sets, args, clock, ENDS["training"])
+    parts = TargetParts(target.model.embed_tokens, lambda h: F.linear(h, lm_head_weight).float())
+    log(f"trained: {trained}")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(public_tensors(head), args.out / "model.safetensors")
+    shipped = load_eagle_head(args.out, "EAGLE", parts, num_target_layers=target.config.num_hidden_layers,
+                              max_positions=config["max_position_embeddings"], dtype=torch.float32, device="cpu")
+
+    docs = demo_training.encode_docs(tok, list(held_out.values()))
+    held = torch.tensor([t for d in docs for t in d])
+    n_windows = min(96, len(held) // (args.window + 1))
+    held_windows = held[:n_windows * (args.window + 1)].view(n_windows, args.window + 1)
+    _, held_feats = target_features(target, held_windows, 16, clock, 10.0)
+    results = agreement(shipped, lm_head_weight, held_windows, held_feats)
+    log(f"held-out top-1 agreement with demo: {results} ({clock.elapsed():.0f}s)")
+    prompt_starts = torch.linspace(0, len(held) - 64, 16).long()
+    results.update(chain_accept_length(shipped, target, held[prompt_starts[:, None] + torch.arange(48)],
+                                       new_tokens=96, steps=(1, 3, 5)))
+    log(f"greedy chain accept length on held-out prompts: {results} ({clock.elapsed():.0f}s)")
+
+    info = {"command": command, "python": platform.python_version(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "target": "demo", "training": trained,
+            "own_continuation_windows": len(own), "corpus_windows": len(corpus_windows),
+            "held_out_files": list(demo_training.HELD_OUT), "evaluation": results,
+            "wall_seconds": round(clock.elapsed(), 1), "args": {k: str(v) for k, v in vars(args).items()}}
+    (args.out / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    log(f"saved {args.out} in {clock.elapsed():.0f}s")
+
+
+if __name__ == "__main__":
+    main()
