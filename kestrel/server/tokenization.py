@@ -17,8 +17,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import multiprocessing as mp
+import multiprocessing.connection
+import os
 import re
 import signal
+import threading
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
@@ -103,8 +106,16 @@ def _init_worker(tokenizer: Any) -> None:
     # when the workers stop (it shuts the pool down).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, name="kestrel-tokenizer-orphan-check", daemon=True).start()
     global _worker_tokenizer
     _worker_tokenizer = tokenizer
+
+
+def _exit_with_parent() -> None:
+    # Killed outright (SIGKILL, out of memory), the HTTP process cannot shut the pool down, and the
+    # workers would wait forever: each holds the write end of the task queue the others read.
+    mp.connection.wait([mp.parent_process().sentinel])
+    os._exit(0)
 
 
 def _in_worker(fn: Callable[..., T], *args: Any) -> T:

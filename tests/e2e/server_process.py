@@ -75,6 +75,20 @@ def pid_exists(pid: int) -> bool:
     return True
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # it exited meanwhile
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
 def memory_mib(pid: int) -> dict[str, float]:
     """A process's resident memory now (VmRSS) and at its peak so far (VmHWM), in MiB."""
     with open(f"/proc/{pid}/status") as status:

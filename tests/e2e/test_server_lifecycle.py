@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.server_process import ServerProcess, pid_exists, wait_idle
+from tests.e2e.server_process import ServerProcess, children, pid_exists, wait_idle
 
 LONG = 8000  # tokens: many seconds of decoding for the tiny model, so a stream is still running when asked
 
@@ -96,28 +96,31 @@ def test_sigterm_drains_then_aborts_every_stream_cleanly(model):
             whole["r"] = c.post(srv.url + "/v1/completions",
                                 json={"prompt": "whole", "max_tokens": LONG, "ignore_eos": True})
 
-    waiter = threading.Thread(target=non_streaming, daemon=True)
-    for s in long:
-        s.start()
-        assert s.first.wait(60)
-    waiter.start()
-    time.sleep(0.3)
-    short.start()  # last, so that it is still running at the signal
-    assert short.first.wait(60)
-    start = time.monotonic()
-    srv.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    with httpx.Client(base_url=srv.url, timeout=30) as http:  # still listening, no longer admitting
-        r = http.post("/v1/completions", json={"prompt": "too late", "max_tokens": 2})
-        assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
-        assert http.get("/health").status_code == 503
-    for s in [*long, short]:
-        s.join(60)
-    waiter.join(60)
-    assert srv.proc.wait(60) == 0
-    elapsed = time.monotonic() - start
-    assert 4 <= elapsed < 20, elapsed  # waited --shutdown-timeout, not the old fixed 30 s
-
+    try:
+        waiter = threading.Thread(target=non_streaming, daemon=True)
+        for s in long:
+            s.start()
+            assert s.first.wait(60)
+        waiter.start()
+        time.sleep(0.3)
+        short.start()  # last, so that it is still running at the signal
+        assert short.first.wait(60)
+        start = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with httpx.Client(base_url=srv.url, timeout=30) as http:  # still listening, no longer admitting
+            r = http.post("/v1/completions", json={"prompt": "too late", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+            assert http.get("/health").status_code == 503
+        for s in [*long, short]:
+            s.join(60)
+        waiter.join(60)
+        assert srv.proc.wait(60) == 0
+        elapsed = time.monotonic() - start
+        assert 4 <= elapsed < 20, elapsed  # waited --shutdown-timeout, not the old fixed 30 s
+    finally:
+        if srv.proc.poll() is None:  # a failed check above: leave no server behind
+            srv.proc.kill()
     assert short.events[-1] == "[DONE]" and short.finish_reasons()[-1] == "length"
     for s in long:  # still running at the timeout: a final chunk saying abort, then [DONE]
         assert s.events[-1] == "[DONE]", s.events[-3:]
@@ -128,3 +131,21 @@ def test_sigterm_drains_then_aborts_every_stream_cleanly(model):
     log = srv.log()
     assert "Traceback" not in log and "ERROR" not in log, log
     assert not pid_exists(engine_pid)
+
+
+def test_a_killed_server_leaves_no_process_behind(model):
+    """SIGKILL (or the out-of-memory killer) gives the HTTP process no chance to shut anything down:
+    its engine process and tokenizer workers must notice on their own and exit."""
+    srv = ServerProcess(model)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as http:  # a long prompt: the tokenizer workers work
+            assert http.post("/v1/completions", json={"prompt": "word " * 3500, "max_tokens": 2}).status_code == 200
+        kids = children(srv.proc.pid)
+        assert len(kids) >= 3, kids  # the engine process, two tokenizer workers (and multiprocessing's tracker)
+    finally:
+        srv.proc.kill()
+        srv.proc.wait()
+    deadline = time.monotonic() + 30
+    while alive := [pid for pid in kids if pid_exists(pid)]:
+        assert time.monotonic() < deadline, f"still running after the server was killed: {alive}"
+        time.sleep(0.1)
