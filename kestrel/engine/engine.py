@@ -16,6 +16,7 @@ from kestrel.cache.kv_memory import KVMemory, pool_size
 from kestrel.cache.radix import RadixCache
 from kestrel.config import EngineConfig
 from kestrel.core.batch import ScheduledBatch
+from kestrel.core.forward_mode import ForwardMode
 from kestrel.core.outputs import EngineStats, RequestOutput, StepInfo
 from kestrel.core.request import Request
 from kestrel.core.sampling_params import SamplingParams
@@ -48,8 +49,10 @@ class Engine:
         elif model or kwargs:
             raise TypeError("pass either config or model/engine options, not both")
         self.config = config = config.resolve()
-        if config.speculative.speculative_algorithm is not None:
-            raise ValueError("speculative decoding is not implemented yet; unset speculative_algorithm")
+        spec = config.speculative
+        if spec.speculative_algorithm not in (None, "NGRAM"):
+            raise ValueError(f"speculative decoding with {spec.speculative_algorithm} is not wired into the engine "
+                             "yet (NGRAM is); unset speculative_algorithm")
         if logger.isEnabledFor(logging.DEBUG):
             from kestrel.attention.explain import explain_plan
 
@@ -74,8 +77,9 @@ class Engine:
             config = self.config = dataclasses.replace(
                 config, cache=dataclasses.replace(config.cache, disable_radix_cache=True))
         size = pool_size(config.cache, layouts, sched.max_running_requests, self.device)
+        slack = (spec.speculative_num_draft_tokens or 1) - 1 if spec.speculative_algorithm else 0
         self.kv_memory = KVMemory(layouts, size, config.cache.page_size, sched.max_running_requests,
-                                  config.model.context_length, self.device)
+                                  config.model.context_length, self.device, step_slack=slack)
         alloc = self.kv_memory.allocator
         logger.info("KV pool: %d tokens (%.2f GiB), page size %d", alloc.size,
                     alloc.size * self.kv_memory.bytes_per_token / 2**30, alloc.page_size)
@@ -95,6 +99,12 @@ class Engine:
         self._streamed: dict[str, int] = {}  # rid -> output tokens already returned by step_deltas()
         self._inflight: _Launched | None = None  # launched batch whose sampled tokens are not applied yet
         self._step_hooks: list[Callable[[StepInfo], None]] = []
+        self.spec_worker = None
+        if spec.speculative_algorithm == "NGRAM":
+            from kestrel.spec.ngram_worker import NgramWorker
+
+            self.spec_worker = NgramWorker(self.scheduler, self.runner, spec.speculative_num_steps,
+                                           spec.speculative_eagle_topk, spec.speculative_num_draft_tokens)
 
     @property
     def max_req_len(self) -> int:
@@ -107,6 +117,10 @@ class Engine:
         """Validate and queue one request; returns its id. Raises ValueError on bad input."""
         params = sampling_params or SamplingParams()
         params.validate(self.vocab_size)
+        if self.spec_worker is not None and (params.temperature != 0 or params.has_penalties or params.logprobs
+                                             is not None or params.min_new_tokens or params.stop_strs):
+            raise ValueError("with speculative decoding this engine serves greedy requests only (temperature 0; "
+                             "no penalties, logprobs, min_new_tokens or stop strings yet)")
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt (text) or prompt_token_ids")
         if prompt is not None:
@@ -168,8 +182,16 @@ class Engine:
         try:
             if self._inflight is not None and not self._can_overlap():
                 done += self._resolve()
-            batch = self.scheduler.schedule()
-            launched = self._launch(batch) if batch is not None else None
+            if self.spec_worker is not None:
+                batch = self.scheduler.schedule(decode_tokens=self.spec_worker.num_draft)
+                if batch is not None and batch.mode is ForwardMode.TARGET_VERIFY:
+                    done += self.spec_worker.verify(batch, self.max_req_len)
+                    batch_done = True
+                else:
+                    batch_done = False
+            else:
+                batch, batch_done = self.scheduler.schedule(), False
+            launched = self._launch(batch) if batch is not None and not batch_done else None
             if self._inflight is not None:
                 done += self._resolve()
             self._inflight = launched
@@ -218,8 +240,9 @@ class Engine:
         return self._reqs.get(rid)
 
     def _can_overlap(self) -> bool:
-        # Penalties are computed from the output tokens, so those must be on the host first.
-        return not self.config.scheduler.disable_overlap_schedule and \
+        # Penalties are computed from the output tokens, so those must be on the host first; a
+        # speculative round needs its requests' tokens to draft from.
+        return not self.config.scheduler.disable_overlap_schedule and self.spec_worker is None and \
             not any(r.params.has_penalties for r in self.scheduler.running)
 
     def _launch(self, batch: ScheduledBatch) -> "_Launched | None":

@@ -125,6 +125,8 @@ class RequestKV:
         and is freed instead. Slots of an uncommitted step are given back either way."""
         if req.req_pool_idx is None:
             return
+        # A request stopped inside a multi-token step has KV for tokens after the stop, which it dropped.
+        req.kv_len = min(req.kv_len, len(req.prompt_ids) + len(req.output_ids))
         self.free_after(req, req.kv_len)
         slots = torch.tensor(req.slots, dtype=torch.int64)
         if cache:

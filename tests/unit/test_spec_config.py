@@ -136,8 +136,9 @@ def test_cli_flags_reach_the_config(dirs):
     assert shape(s) == (3, 2, 5) and s.speculative_disable_batch_size == 8
 
 
-def test_engine_still_refuses_to_run_speculation(dirs, tmp_path):
+def test_engine_refuses_the_algorithms_not_wired_yet(dirs, tmp_path):
     from kestrel import Engine
 
-    with pytest.raises(ValueError, match="speculative decoding is not implemented yet"):
-        Engine(model=dirs["target"], device="cpu", speculative_algorithm="NGRAM")
+    with pytest.raises(ValueError, match="with STANDALONE is not wired into the engine yet"):
+        Engine(model=dirs["target"], device="cpu", speculative_algorithm="STANDALONE",
+               speculative_draft_model_path=dirs["target"])

@@ -1,0 +1,53 @@
+"""NGRAM speculative decoding through the engine: greedy tokens equal non-speculative greedy."""
+from __future__ import annotations
+
+import pytest
+
+from kestrel import Engine, SamplingParams
+from tests.e2e.conftest import assert_pool_full
+
+
+def repetitive_prompts() -> list[list[int]]:
+    """Prompts with repeats, so that n-gram drafts are sometimes right and sometimes wrong."""
+    base = [7, 8, 9, 10, 11, 12]
+    return [base * 3 + [40 + i] + base[:2 + i] for i in range(6)] + [[100 + i for i in range(25)]]
+
+
+@pytest.mark.parametrize("topk", [1, 4])
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])
+def test_ngram_greedy_equals_plain_greedy(tiny_model, topk, backend):
+    model = tiny_model("llama")
+    prompts = repetitive_prompts()
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    common = dict(device="cpu", dtype="float32", attention_backend=backend, max_total_tokens=1024)
+    with Engine(model=model, **common) as plain:
+        want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    shape = dict(speculative_num_steps=4, speculative_eagle_topk=topk, speculative_num_draft_tokens=5 if topk == 1 else 8)
+    with Engine(model=model, speculative_algorithm="NGRAM", **shape, **common) as spec:
+        got = [o.token_ids for o in spec.generate(prompt_token_ids=prompts, sampling_params=params)]
+        assert got == want
+        lengths = spec.spec_worker.accept_lengths
+        assert lengths and max(lengths) > 1  # some drafts were accepted, so the rounds really ran
+        assert_pool_full(spec)
+
+
+def test_ngram_with_a_tiny_pool_retracts_and_stops_at_the_context(tiny_model):
+    model = tiny_model("llama")
+    prompts = repetitive_prompts()
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    common = dict(device="cpu", dtype="float32", max_total_tokens=200, context_length=48,
+                  schedule_conservativeness=0)
+    with Engine(model=model, **common) as plain:
+        want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    with Engine(model=model, speculative_algorithm="NGRAM", speculative_num_steps=3, speculative_eagle_topk=1,
+                speculative_num_draft_tokens=4, **common) as spec:
+        got = [o.token_ids for o in spec.generate(prompt_token_ids=prompts, sampling_params=params)]
+        assert got == want
+        assert spec.scheduler.num_retractions > 0
+        assert_pool_full(spec)
+
+
+def test_ngram_refuses_what_it_does_not_do_yet(tiny_model):
+    with Engine(model=tiny_model("llama"), device="cpu", dtype="float32", speculative_algorithm="NGRAM") as spec:
+        with pytest.raises(ValueError, match="greedy requests only"):
+            spec.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(temperature=0.7))
