@@ -182,16 +182,12 @@ class Engine:
         try:
             if self._inflight is not None and not self._can_overlap():
                 done += self._resolve()
-            if self.spec_worker is not None:
-                batch = self.scheduler.schedule(decode_tokens=self.spec_worker.num_draft)
-                if batch is not None and batch.mode is ForwardMode.TARGET_VERIFY:
-                    done += self.spec_worker.verify(batch, self.max_req_len)
-                    batch_done = True
-                else:
-                    batch_done = False
-            else:
-                batch, batch_done = self.scheduler.schedule(), False
-            launched = self._launch(batch) if batch is not None and not batch_done else None
+            batch = self.scheduler.schedule(self.spec_worker.num_draft if self.spec_worker else 1)
+            launched = None
+            if batch is not None and batch.mode is ForwardMode.TARGET_VERIFY:
+                done += self.spec_worker.verify(batch, self.max_req_len)  # resolved in the round itself
+            elif batch is not None:
+                launched = self._launch(batch)
             if self._inflight is not None:
                 done += self._resolve()
             self._inflight = launched

@@ -31,8 +31,8 @@ def dirs(tmp_path):
 def test_backends():
     """Entries that behave like real ones: one that builds another backend than its key says (a
     fallback), one that cannot serve draft decode, one that cannot serve draft extend."""
-    def build(kv_pool, req_to_token, config):
-        return "torch_native", TorchNativeBackend(kv_pool, req_to_token, name="torch_native")
+    def build(pools, req_to_token, config):
+        return "torch_native", TorchNativeBackend(pools, req_to_token, name="torch_native")
 
     registry.register("fallback", unavailable=lambda c: None)(build)
     registry.register("no_draft_decode", unavailable=lambda c: None, draft_modes=frozenset({"extend"}))(build)
