@@ -31,6 +31,8 @@ HELP = {
                            "(default: 1024)",
     "shutdown_timeout": "seconds running requests get to finish after SIGTERM before they are aborted (default: 30)",
     "tokenizer_pool_size": "processes tokenizing long prompts off the event loop (default: 2)",
+    "tool_call_parser": "the format of the model's tool calls, to parse them and force them (tool_choice): "
+                        "llama3, qwen25 or hermes (also the bundled demo's); default: no tool calls",
 }
 
 

@@ -105,6 +105,8 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     # Processes that tokenize (and apply chat templates to) long prompts off the event loop.
     tokenizer_pool_size: int = 2
+    # The format of the model's tool calls (SGLang's names: llama3, qwen25, hermes); None: no tools.
+    tool_call_parser: str | None = None
 
 
 SECTIONS = {
@@ -242,6 +244,10 @@ def _check_server(server: ServerConfig) -> None:
         raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {server.shutdown_timeout}")
     if server.tokenizer_pool_size < 1:
         raise ValueError(f"tokenizer_pool_size must be >= 1, got {server.tokenizer_pool_size}")
+    if server.tool_call_parser is not None:
+        from kestrel.server.tool_parsers import tool_parser
+
+        tool_parser(server.tool_call_parser)  # an unknown name fails here, at start-up
 
 
 def _check_library_floors(floors: dict[str, str]) -> None:

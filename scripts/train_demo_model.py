@@ -39,11 +39,23 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>"]
 BOS, EOS, PAD = 0, 1, 2  # ids of the first three special tokens (the trainer adds them first)
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}{{ eos_token }}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+# `<|role|>content<|eos|>` per message. With tools, a system turn lists them and says how to call one;
+# an assistant's calls are Hermes-style `<tool_call>` blocks (kestrel serve --tool-call-parser hermes).
+CHAT_TEMPLATE = r"""{{ bos_token }}
+{%- if tools %}
+{{- '<|system|>You may call these tools. To call one, answer with\n<tool_call>\n{"name": <the tool\'s name>, "arguments": <its arguments as a JSON object>}\n</tool_call>\nTools:\n' }}
+{%- for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}
+{{- eos_token }}
+{%- endif %}
+{%- for message in messages %}
+{{- '<|' + message['role'] + '|>' + message['content'] }}
+{%- for call in message.tool_calls or [] %}
+{%- if not loop.first or message['content'] %}{{ '\n' }}{% endif %}
+{{- '<tool_call>\n{"name": ' + call.function.name | tojson + ', "arguments": ' + call.function.arguments | tojson + '}\n</tool_call>' }}
+{%- endfor %}
+{{- eos_token }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"""
 # Fixed files (present in CPython 3.9 to 3.13) never seen by the tokenizer or the models: library
 # modules and tests of several kinds, ~2% of the corpus.
 HELD_OUT = (

@@ -49,6 +49,7 @@ class Request:
     matched_stop: int | str | None = None
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    grammar: Any = None  # kestrel.engine.grammar.GrammarState when params has a grammar
 
     @property
     def fill_ids(self) -> list[int]:

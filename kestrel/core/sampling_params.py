@@ -1,7 +1,12 @@
 """Per-request sampling parameters and their validation."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
+
+# The constraints a request's output may follow (SGLang's sampling parameter names); at most one.
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 @dataclass
@@ -11,6 +16,11 @@ class SamplingParams:
     `temperature == 0` means greedy. `top_k == -1` disables top-k. `seed=None` draws a random
     seed once when the request is created; every token's randomness is derived from
     (seed, position), so batch neighbours, retraction and chunking never change the sample.
+
+    At most one of `json_schema` (a JSON Schema, as text or a dict), `regex`, `ebnf` (a GBNF
+    grammar) or `structural_tag` (xgrammar's structural-tag JSON) constrains the output: tokens the
+    grammar does not allow next are masked before sampling, and the request stops ("stop") once the
+    grammar can only end. The engine compiles it when the request is added (a bad one is a ValueError).
     """
 
     max_new_tokens: int = 128
@@ -28,6 +38,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per generated token
     skip_special_tokens: bool = True
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
     stop_strs: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -36,6 +50,16 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the output constraint, the key it is compiled and cached under; None if none.
+        A dict schema becomes its JSON text in insertion order (property order is part of the grammar)."""
+        for kind in GRAMMAR_KINDS:
+            value = getattr(self, kind)
+            if value is not None:
+                return kind, value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        return None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the field and its allowed range."""
@@ -72,6 +96,14 @@ class SamplingParams:
             bad("logprobs", "None or an integer in [0, 20]")
         if not all(isinstance(s, str) and s for s in self.stop_strs):
             bad("stop", "a non-empty string or a list of non-empty strings")
+        given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
+        for kind in given:
+            value = getattr(self, kind)
+            dict_ok = kind in ("json_schema", "structural_tag")
+            if not (isinstance(value, str) and value) and not (dict_ok and isinstance(value, dict)):
+                bad(kind, "a non-empty string" + (" or a dict" if dict_ok else "") + " or None")
+        if len(given) > 1:
+            raise ValueError(f"{given[0]} and {given[1]} are both set: give at most one of {', '.join(GRAMMAR_KINDS)}")
         ids = self.stop_token_ids or []
         if not all(is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size) for t in ids):
             bad("stop_token_ids", f"a list of token ids in [0, {vocab_size})")

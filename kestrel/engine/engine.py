@@ -21,6 +21,7 @@ from kestrel.core.outputs import EngineStats, RequestOutput, StepInfo
 from kestrel.core.request import Request
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.engine.detokenizer import OutputText
+from kestrel.engine.grammar import GrammarBackend, GrammarState
 from kestrel.engine.sampler import PendingSample, Sampler, SamplingBatch
 from kestrel.engine.scheduler import Scheduler
 from kestrel.engine.tokenizer import eos_token_ids, load_tokenizer
@@ -33,11 +34,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Launched:
-    """A batch on the device: its sampled requests, their FutureTokens indices, the sample's host copy."""
+    """A batch on the device: its sampled requests, their FutureTokens indices, the sample's host copy.
+
+    Until `sample` is set, the batch's forward is launched but not its sampling (which waits for the
+    grammar masks, see `step`): `logits` and `sampling` are its inputs, `futures` are reserved."""
 
     reqs: list[Request]
     futures: list[int]
-    sample: PendingSample
+    sample: PendingSample | None
+    logits: torch.Tensor | None = None
+    sampling: SamplingBatch | None = None
 
 
 class Engine:
@@ -99,6 +105,7 @@ class Engine:
         self._streamed: dict[str, int] = {}  # rid -> output tokens already returned by step_deltas()
         self._inflight: _Launched | None = None  # launched batch whose sampled tokens are not applied yet
         self._step_hooks: list[Callable[[StepInfo], None]] = []
+        self.grammars: GrammarBackend | None = None  # made by the first request with a grammar
         self.spec_worker = None
         if spec.speculative_algorithm == "NGRAM":
             from kestrel.spec.ngram_worker import NgramWorker
@@ -118,9 +125,11 @@ class Engine:
         params = sampling_params or SamplingParams()
         params.validate(self.vocab_size)
         if self.spec_worker is not None and (params.temperature != 0 or params.has_penalties or params.logprobs
-                                             is not None or params.min_new_tokens or params.stop_strs):
+                                             is not None or params.min_new_tokens or params.stop_strs
+                                             or params.grammar is not None):
             raise ValueError("with speculative decoding this engine serves greedy requests only (temperature 0; "
-                             "no penalties, logprobs, min_new_tokens or stop strings yet)")
+                             "no penalties, logprobs, min_new_tokens, stop strings or grammars (json_schema, "
+                             "regex, ebnf, structural_tag) yet)")
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt (text) or prompt_token_ids")
         if prompt is not None:
@@ -143,21 +152,34 @@ class Engine:
         if len(ids) + params.max_new_tokens > pool:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                              f"KV pool ({pool} tokens); lower max_new_tokens")
+        grammar = self._grammar_state(params)
         arrival = next(self._arrivals)
         rid = rid if rid is not None else f"req-{arrival}"
         if rid in self._reqs:
             raise ValueError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        req = Request(rid=rid, prompt_ids=ids, params=params, seed=seed, arrival=arrival)
+        req = Request(rid=rid, prompt_ids=ids, params=params, seed=seed, arrival=arrival, grammar=grammar)
         self._reqs[rid] = req
         if self.tokenizer is not None and params.stop_strs:
             # Stop strings need the text as it grows; other requests are detokenized once, at the end.
             self._texts[rid] = OutputText(self.tokenizer, ids, params)
         if params.max_new_tokens == 0:
             self.scheduler.finish(req, "length")
+        elif grammar is not None and grammar.ended():  # a grammar of the empty string only
+            self.scheduler.finish(req, "stop")
         else:
             self.scheduler.add(req)
         return rid
+
+    def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
+        """The request's grammar matcher (compiled once per grammar); None without one. Raises ValueError."""
+        if params.grammar is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"{params.grammar[0]} needs a tokenizer to compile against; this model folder has none")
+        if self.grammars is None:
+            self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self.grammars.state(params)
 
     def abort(self, rid: str) -> bool:
         return self.scheduler.abort(rid) is not None
@@ -172,6 +194,11 @@ class Engine:
         With overlap scheduling (the default) the step launches batch N+1 and then resolves batch N,
         whose host work (stop checks, detokenizing, scheduling the next batch) overlaps batch N+1 on
         the device; a request's token is returned one step after its forward is launched.
+
+        A grammar request's token mask needs its previous token accepted by its matcher, and that
+        token belongs to batch N. So a batch N+1 with grammar rows launches its forward, then batch N
+        is resolved (its tokens accepted, while the forward runs), then the masks are filled and
+        N+1 is sampled: masks are exact, overlap stays on, and no extra device sync is added.
 
         A step that raises (the forward, the sampler, a stop check) finishes the requests of the
         batches it touched with finish_reason "error" and frees their KV; the others go on.
@@ -190,6 +217,8 @@ class Engine:
                 launched = self._launch(batch)
             if self._inflight is not None:
                 done += self._resolve()
+            if launched is not None and launched.sample is None:
+                self._sample(launched)
             self._inflight = launched
             if launched is not None and self.config.scheduler.disable_overlap_schedule:
                 done += self._resolve()
@@ -242,7 +271,8 @@ class Engine:
             not any(r.params.has_penalties for r in self.scheduler.running)
 
     def _launch(self, batch: ScheduledBatch) -> "_Launched | None":
-        """Forward and sample on the device, then commit the batch; nothing here waits for the device."""
+        """Forward and sample on the device, then commit the batch; nothing here waits for the device.
+        Grammar rows whose previous token is still in flight leave the sampling to `step`."""
         logits = self.runner.forward(batch).logits
         rows = self.scheduler.sampling_rows(batch)
         sampled = [batch.reqs[i] for i in rows]
@@ -250,10 +280,28 @@ class Engine:
             self.scheduler.commit(batch, [], [])
             return None
         sampling = SamplingBatch.from_requests(sampled, self.vocab_size, self.eos_token_ids, self.device)
-        pending = self.sampler.sample(logits if len(rows) == len(batch.reqs) else logits[rows], sampling)
-        futures = self.runner.future_tokens.put(pending.token_ids)
-        self.scheduler.commit(batch, sampled, [[f] for f in futures])
-        return _Launched(sampled, futures, pending)
+        launched = _Launched(sampled, [], None, logits if len(rows) == len(batch.reqs) else logits[rows], sampling)
+        if self._inflight is not None and any(r.grammar is not None for r in sampled):
+            launched.futures = self.runner.future_tokens.reserve(len(sampled))
+        else:
+            self._sample(launched)
+        self.scheduler.commit(batch, sampled, [[f] for f in launched.futures])
+        return launched
+
+    def _sample(self, launched: _Launched) -> None:
+        """Sample a launched batch, its grammar rows masked by their matchers as they are now."""
+        sampling = launched.sampling
+        live = [i for i, r in enumerate(launched.reqs) if r.grammar is not None and not r.finished]
+        if live:
+            mask = self.grammars.fill([launched.reqs[i].grammar for i in live])
+            sampling.grammar_rows = torch.tensor(live, dtype=torch.int64).to(self.device, non_blocking=True)
+            sampling.grammar_mask = mask.to(self.device, non_blocking=True)
+        pending = self.sampler.sample(launched.logits, sampling)
+        if launched.futures:
+            self.runner.future_tokens.write(launched.futures, pending.token_ids)
+        else:
+            launched.futures = self.runner.future_tokens.put(pending.token_ids)
+        launched.sample, launched.logits, launched.sampling = pending, None, None
 
     def _resolve(self) -> list[Request]:
         """Wait for the in-flight batch's tokens and apply them."""
@@ -269,6 +317,7 @@ class Engine:
             if logprob is not None:
                 req.output_logprobs.append(logprob)
                 req.output_top_logprobs.append(top)
+            self._advance_grammar(req)
             self._check_stop_strings(req)
         return done
 
@@ -296,6 +345,22 @@ class Engine:
             else:
                 self._streamed[req.rid] = len(req.output_ids)
         return news
+
+    def _advance_grammar(self, req: Request) -> None:
+        """The request's matcher takes its new token; once the grammar can only end, the request
+        finishes ("stop", also over a "length" reached with the same token)."""
+        state = req.grammar
+        if state is None or (req.finished and req.finish_reason != "length"):  # e.g. stopped at EOS
+            return
+        token = req.output_ids[-1]
+        if not state.accept(token):  # the mask allowed it: only a bug gets here
+            if not req.finished:
+                self.scheduler.finish(req, "error", error=f"the grammar rejected token {token}")
+        elif state.ended():
+            if req.finished:
+                req.finish_reason, req.matched_stop = "stop", None
+            else:
+                self.scheduler.finish(req, "stop")
 
     def _check_stop_strings(self, req: Request) -> None:
         text = self._texts.get(req.rid)

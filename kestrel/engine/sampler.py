@@ -81,6 +81,10 @@ class SamplingBatch:
     top_ks: torch.Tensor | None = None  # [B] int64, vocab_size where disabled
     top_ps: torch.Tensor | None = None  # [B] float32, inf where disabled (keeps every token exactly)
     min_ps: torch.Tensor | None = None  # [B] float32, 0 where disabled
+    # Structured outputs (kestrel.engine.grammar): bitmask row j ([G, ceil(V / 32)] int32) holds the
+    # tokens row grammar_rows[j] may take. Set by the engine once the rows' matchers are up to date.
+    grammar_rows: torch.Tensor | None = None  # [G] int64
+    grammar_mask: torch.Tensor | None = None
 
     @classmethod
     def from_requests(cls, reqs: list[Request], vocab_size: int, eos_token_ids: set[int],
@@ -340,14 +344,19 @@ class Sampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> PendingSample:
         """Sample one token per row of `logits` [B, V] (any float dtype; computed in float32).
 
-        Logprobs are log_softmax of the logits after penalties and min_new_tokens blocking, but
-        before temperature and top-k/top-p/min-p: they describe the model, not the sampling filter.
+        Logprobs are log_softmax of the logits after penalties, min_new_tokens blocking and the
+        grammar mask, but before temperature and top-k/top-p/min-p: they describe the model, not the
+        sampling filter.
         """
         logits = logits.float()
         if batch.penalties is not None:
             logits = batch.penalties.apply(logits)
         if batch.blocked is not None:
             logits = logits.index_put(batch.blocked, logits.new_full((), float("-inf")))
+        if batch.grammar_rows is not None:
+            from kestrel.engine.grammar import apply_grammar_mask  # xgrammar: only for grammar batches
+
+            logits = apply_grammar_mask(logits, batch.grammar_rows, batch.grammar_mask)
         greedy_ids = self._argmax(logits)
         token_ids = greedy_ids
         if not batch.all_greedy:

@@ -58,11 +58,31 @@ def _message_text(content: Any, index: int) -> str:
     )
 
 
+def _tool_calls(calls: Any, index: int) -> list[dict]:
+    """An assistant message's `tool_calls` for the template: each function's `arguments` JSON text
+    becomes the dict templates render (text that is not JSON stays text)."""
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                              and isinstance(c["function"].get("name"), str) for c in calls):
+        raise ValueError(f"messages[{index}].tool_calls must be a list of "
+                         "{'type': 'function', 'function': {'name': str, 'arguments': str}}")
+    out = []
+    for call in calls:
+        function = dict(call["function"])
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except ValueError:
+                pass
+        out.append({**call, "function": function})
+    return out
+
+
 def normalize_messages(messages: Any) -> list[dict[str, str]]:
     """Validate chat messages and return them as [{'role': str, 'content': str}, ...].
 
     Raises ValueError naming the first bad message and the valid shapes; other keys are kept
-    (e.g. `name`, `tool_call_id`) because some templates read them.
+    (e.g. `name`, `tool_call_id`) because some templates read them. An assistant message with
+    `tool_calls` may have no content (null).
     """
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
@@ -73,6 +93,12 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        if message.get("tool_calls") is not None and role == "assistant":
+            calls = _tool_calls(message["tool_calls"], i)
+            content = message.get("content")
+            out.append({**message, "content": "" if content is None else _message_text(content, i),
+                        "tool_calls": calls})
+            continue
         if "content" not in message:
             raise ValueError(f"messages[{i}] has no 'content'")
         out.append({**message, "content": _message_text(message["content"], i)})
@@ -80,23 +106,27 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
 
 
 def apply_chat_template_text(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
 ) -> str:
-    """Render `messages` with the tokenizer's chat template into the prompt text."""
+    """Render `messages` (and the `tools` the model may call, OpenAI's shape) with the tokenizer's chat
+    template into the prompt text."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "this model's tokenizer has no chat template; send a plain prompt (completions API) instead"
         )
     return tokenizer.apply_chat_template(
-        normalize_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        normalize_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+        **({"tools": tools} if tools else {})
     )
 
 
 def apply_chat_template(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Render and tokenize `messages`; the template supplies any BOS, so none is added again."""
-    text = apply_chat_template_text(tokenizer, messages, add_generation_prompt)
+    text = apply_chat_template_text(tokenizer, messages, add_generation_prompt, tools)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -19,14 +19,23 @@ class FutureTokens:
 
     def put(self, token_ids: torch.Tensor) -> list[int]:
         """Store one step's sampled ids (device) and return their indices."""
-        n = token_ids.numel()
+        indices = self.reserve(token_ids.numel())
+        self.write(indices, token_ids)
+        return indices
+
+    def reserve(self, n: int) -> list[int]:
+        """Indices for n ids that `write()` stores later in the same step (a sample launched after the
+        step's forward, see Engine.step); the next step's input gather must come after that write."""
         if n > self.capacity:
             raise ValueError(f"{n} sampled tokens in one step exceed the FutureTokens capacity {self.capacity}")
         if self._next + n > self.capacity:
             self._next = 0
         start, self._next = self._next, self._next + n
-        self.values[start:start + n].copy_(token_ids)
         return list(range(start, start + n))
+
+    def write(self, indices: list[int], token_ids: torch.Tensor) -> None:
+        """Store the ids at indices from `reserve()` (consecutive)."""
+        self.values[indices[0]:indices[0] + len(indices)].copy_(token_ids)
 
     def resolve(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids with every `-1 - index` replaced by the stored token (all on the device)."""

@@ -223,7 +223,7 @@ class EngineClient:
                     # arrive in this same read, and a rejected request is not an aborted one.
                     for rid in group.rids:
                         self._tracked.pop(rid, None)
-                    group.admitted.set_exception(APIError(msg.status, msg.error))
+                    group.admitted.set_exception(APIError(msg.status, msg.error, msg.param))
         elif isinstance(msg, EngineStats):
             self.stats = msg
             self.metrics.on_stats(msg)

@@ -112,16 +112,16 @@ class EngineLoop:
                 added.append(self.engine.add_request(prompt_token_ids=r.prompt_ids, sampling_params=r.params,
                                                      rid=r.rid))
         except ValueError as e:
-            error, status = str(e), 400
+            error, status, param = str(e), 400, getattr(e, "param", None)
         except Exception as e:  # a bug must not take the server down for everyone
             logger.exception("add_request failed")
-            error, status = f"internal error while adding the request: {type(e).__name__}: {e}", 500
+            error, status, param = f"internal error while adding the request: {type(e).__name__}: {e}", 500, None
         else:
             self.outbox.send(Admission(msg.group))
             return added
         for rid in added:  # aborted ones are reported and forgotten by step_deltas(touched=added)
             self.engine.abort(rid)
-        self.outbox.send(Admission(msg.group, error, status))
+        self.outbox.send(Admission(msg.group, error, status, param))
         return added
 
     def _delta(self, req: Request, start: int) -> TokenDelta:

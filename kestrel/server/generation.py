@@ -54,13 +54,15 @@ class Choice:
 
 class Generation:
     def __init__(self, client: EngineClient, tokenizer, prompts: list[list[int]], params: list[SamplingParams],
-                 ticket: Ticket, prompt_param: str = "prompt") -> None:
+                 ticket: Ticket, prompt_param: str = "prompt", grammar_param: str | None = None) -> None:
         """One choice per (prompt ids, params) pair, in that order. Engine rejections of the prompt
-        (too long, empty, ids out of range) are reported against the field `prompt_param`."""
+        (too long, empty, ids out of range) are reported against the field `prompt_param`, those of
+        the grammar against `grammar_param` (default: the SamplingParams field, e.g. json_schema)."""
         self.client = client
         self.ticket = ticket
         self.tokenizer = tokenizer
         self.prompt_param = prompt_param
+        self.grammar_param = grammar_param
         self.arrival = time.monotonic()
         self.created = int(time.time())
         self.choices = [Choice(i, client.new_rid(), ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
@@ -78,7 +80,7 @@ class Generation:
             self._group = await self.client.submit(reqs, self.arrival)
         except APIError as e:
             if e.status == 400:
-                e.param = self.prompt_param
+                e.param = self.prompt_param if e.param is None else (self.grammar_param or e.param)
             raise
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:

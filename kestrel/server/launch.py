@@ -24,6 +24,7 @@ from kestrel.server.shutdown import ABORT_GRACE_S, Drain, Server
 from kestrel.server.state import ServerState
 from kestrel.server.supervisor import EngineSupervisor
 from kestrel.server.tokenization import Tokenization
+from kestrel.server.tool_parsers import tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +83,9 @@ def serve(config: EngineConfig, served_model_name: str | None = None) -> int:
                 raise ServerStartError(f"the tokenizer worker processes did not start: {type(e).__name__}: "
                                        f"{e}") from None
         admission = AdmissionControl(config.scheduler.max_running_requests + server_config.max_queued_requests)
+        parser = tool_parser(server_config.tool_call_parser) if server_config.tool_call_parser else None
         state = ServerState(client, tokenization, name, config.model.model, metrics, admission,
-                            server_config.api_key)
+                            server_config.api_key, parser)
         debug = server_config.log_level.lower() == "debug"
         # Drain ends every request before uvicorn stops, so uvicorn's own grace period only bounds a wedged engine.
         uv_config = uvicorn.Config(build_app(state, server_config.max_request_bytes), host=server_config.host,

@@ -64,6 +64,7 @@ class Admission:
     group: str
     error: str | None = None  # None: every request of the group was queued
     status: int = 400  # HTTP status for the error: 400 bad input, 500 an engine bug
+    param: str | None = None  # the SamplingParams field at fault, when the engine names one (a grammar)
 
 
 @dataclass

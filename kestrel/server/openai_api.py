@@ -11,8 +11,11 @@ from starlette.responses import Response
 
 from kestrel.server.generation import Choice, ChoiceUpdate, Generation
 from kestrel.server.protocol import ChatCompletionRequest, CompletionRequest, expand_choices, prompt_list, validated
+from kestrel.server.errors import bad_request
 from kestrel.server.sse import sse_stream
 from kestrel.server.state import ServerState, parse_body, respond
+from kestrel.server.tool_parsers import ToolCallStream, parse_tool_calls
+from kestrel.server.tools import new_call_id, tool_use
 
 _API_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 # OpenAI's default for /v1/completions; cut to the room the context leaves, as chat's default (all of
@@ -64,7 +67,8 @@ async def completions(state: ServerState, request: Request) -> Response:
         params = state.params_for(base, prompts, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "prompt",
                                   "max_tokens", _API_NAMES)
         echoes = [(p if isinstance(p, str) else state.decode(p)) if body.echo else "" for p in texts]
-        gen = Generation(state.client, state.tokenizer, *expand_choices(prompts, params, body.n), ticket)
+        gen = Generation(state.client, state.tokenizer, *expand_choices(prompts, params, body.n), ticket,
+                         grammar_param="response_format" if body.response_format else None)
     echo_of = [echoes[i // body.n] for i in range(len(gen.choices))]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": gen.created,
             "model": state.served_model_name}
@@ -118,27 +122,46 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     names = {**_API_NAMES, "max_new_tokens": name, "logprobs": "top_logprobs"}
     info = state.client.info
+    tools = tool_use(body, state.tool_parser)
+    grammar = body.grammar()
+    if tools is not None and tools.structural_tag is not None:
+        if grammar:
+            raise bad_request("tool_choice 'required' or a named function constrains the output to tool calls; "
+                              f"drop {next(iter(grammar))}", "tool_choice")
+        grammar = {"structural_tag": tools.structural_tag}
+    grammar_param = "tools" if "structural_tag" in grammar else "response_format" if body.response_format else None
     # Without max_tokens, as vLLM: up to the end of the context, at most max_req_len - 1 for any prompt.
     base = validated(body.sampling_params(info.max_req_len - 1 if asked is None else asked,
-                                          body.engine_top_logprobs()), info.vocab_size, names)
+                                          body.engine_top_logprobs(), grammar), info.vocab_size, names)
     ticket = state.admit(body.n, "n")
     with ticket.released_on_error():
-        prompt = await state.chat_prompt_ids(ticket, body.messages, body_bytes)
+        prompt = await state.chat_prompt_ids(ticket, body.messages, body_bytes,
+                                             tools.template_tools if tools is not None else None)
         params = state.params_for(base, [prompt], asked, None, "messages", name, names)
         gen = Generation(state.client, state.tokenizer, *expand_choices([prompt], params, body.n), ticket,
-                         prompt_param="messages")
+                         prompt_param="messages", grammar_param=grammar_param)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": gen.created,
             "model": state.served_model_name}
 
     def logprobs_of(ids: list[int], lps: list[float] | None, tops: list | None) -> dict | None:
         return None if lps is None else _chat_logprobs(state, ids, lps, tops or [])
 
+    # With tools, each choice's text goes through its parser: content, and tool calls as deltas.
+    streams = [ToolCallStream(tools.parser, new_call_id) for _ in gen.choices] if tools is not None else None
+
     def chunk_choice(u: ChoiceUpdate) -> dict | None:
-        if not _worth_sending(u):
+        finish = u.finish_reason
+        if streams is None:
+            delta = {"content": u.text} if u.text else {}
+        else:
+            content, calls = streams[u.index].feed(u.text, final=finish is not None)
+            delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
+            if finish == "stop" and streams[u.index].num_calls:
+                finish = "tool_calls"
+        if not delta and finish is None and u.logprobs is None:
             return None
-        return {"index": u.index, "delta": {"content": u.text} if u.text else {},
-                "logprobs": logprobs_of(u.token_ids, u.logprobs, u.top_logprobs), "finish_reason": u.finish_reason,
-                "matched_stop": gen.choices[u.index].matched_stop if u.finish_reason else None}
+        return {"index": u.index, "delta": delta, "logprobs": logprobs_of(u.token_ids, u.logprobs, u.top_logprobs),
+                "finish_reason": finish, "matched_stop": gen.choices[u.index].matched_stop if finish else None}
 
     def events() -> AsyncIterator[bytes]:
         first = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -147,9 +170,16 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
 
     def final(c: Choice) -> dict[str, Any]:
         lps = c.logprobs if c.params.logprobs is not None else None
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": logprobs_of(c.token_ids, lps, c.top_logprobs), "finish_reason": c.finish_reason,
-                "matched_stop": c.matched_stop}
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish = c.finish_reason
+        if tools is not None:
+            content, calls = parse_tool_calls(tools.parser, c.text, new_call_id)
+            message["content"] = content if content is not None or calls else ""
+            if calls:
+                message["tool_calls"] = [call.openai() for call in calls]
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": c.index, "message": message, "logprobs": logprobs_of(c.token_ids, lps, c.top_logprobs),
+                "finish_reason": finish, "matched_stop": c.matched_stop}
 
     return await respond(request, gen, body.stream, events,
                          lambda: {**head, "object": "chat.completion", "choices": [final(c) for c in gen.choices],

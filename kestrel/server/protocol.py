@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import random
 import typing
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.server.errors import APIError, bad_request, from_validation_error
+from kestrel.server.structured import GRAMMAR_FIELDS, response_format_grammar
 from kestrel.server.tokenization import lone_surrogate
 
 MAX_N = 128  # OpenAI's limit on choices per request
@@ -52,18 +53,35 @@ class _OpenAISampling(_Body):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # Structured outputs: OpenAI's response_format, or SGLang's extra fields (at most one of all four).
+    response_format: dict[str, Any] | None = None
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def _check(self) -> None:
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
-        if problem := lone_surrogate(self.stop, "stop"):
-            raise bad_request(problem, "stop")
+        for name in ("stop", "response_format", *GRAMMAR_FIELDS):
+            if problem := lone_surrogate(getattr(self, name), name):
+                raise bad_request(problem, name)
+
+    def grammar(self) -> dict[str, Any]:
+        """The SamplingParams grammar field the request asks for ({} for none); 400 for two of them."""
+        given = {name: value for name in GRAMMAR_FIELDS if (value := getattr(self, name)) is not None}
+        from_format = response_format_grammar(self.response_format)
+        if from_format and given:
+            raise bad_request(f"response_format and {next(iter(given))} both constrain the output; give one",
+                              "response_format")
+        return from_format or given
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int, top_logprobs: int | None) -> SamplingParams:
-        """The engine's parameters; None fields take OpenAI's defaults."""
+    def sampling_params(self, max_tokens: int, top_logprobs: int | None,
+                        grammar: dict[str, Any] | None = None) -> SamplingParams:
+        """The engine's parameters; None fields take OpenAI's defaults. `grammar`: the output constraint
+        (a SamplingParams grammar field), by default the request's own (`grammar()`)."""
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
@@ -74,7 +92,8 @@ class _OpenAISampling(_Body):
             frequency_penalty=pick(self.frequency_penalty, 0.0), presence_penalty=pick(self.presence_penalty, 0.0),
             repetition_penalty=pick(self.repetition_penalty, 1.0), seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens, logprobs=top_logprobs)
+            skip_special_tokens=self.skip_special_tokens, logprobs=top_logprobs,
+            **(self.grammar() if grammar is None else grammar))
 
 
 class CompletionRequest(_OpenAISampling):
@@ -96,21 +115,41 @@ class CompletionRequest(_OpenAISampling):
                               "drop one of them", "echo")
 
 
+class ToolFunction(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; None: no parameters
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[dict[str, Any]]
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def check(self) -> None:
         """What the field types cannot say: unsupported combinations, text no tokenizer can take."""
         self._check()
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("response_format other than {'type': 'text'} is not supported", "response_format")
+        if problem := lone_surrogate([t.model_dump() for t in self.tools or []], "tools"):
+            raise bad_request(problem, "tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
 
@@ -184,8 +223,9 @@ def native_sampling_params(raw: dict[str, Any] | None,
         body = NativeSamplingParams.model_validate(raw)
     except ValidationError as e:
         raise from_validation_error(e) from None
-    if problem := lone_surrogate(body.stop, "sampling_params.stop"):
-        raise bad_request(problem, "stop")
+    for name in ("stop", *GRAMMAR_FIELDS, "structural_tag"):
+        if problem := lone_surrogate(getattr(body, name), f"sampling_params.{name}"):
+            raise bad_request(problem, name)
     fields = body.model_dump(exclude={"n"})
     if logprobs is not None:
         fields["logprobs"] = logprobs

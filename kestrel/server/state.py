@@ -20,6 +20,7 @@ from kestrel.server.metrics import ServerMetrics
 from kestrel.server.protocol import fit_max_tokens, prompt_too_long, validated
 from kestrel.server.sse import ClientGone, EventStream, until_disconnect
 from kestrel.server.tokenization import INLINE_BODY_BYTES, PromptError, PromptTooLong, Tokenization
+from kestrel.server.tool_parsers import ToolParser
 
 B = TypeVar("B", bound=BaseModel)
 
@@ -33,6 +34,7 @@ class ServerState:
     metrics: ServerMetrics
     admission: AdmissionControl
     api_key: str | None = None
+    tool_parser: ToolParser | None = None  # --tool-call-parser: the format of the model's tool calls
 
     @property
     def tokenizer(self) -> Any:
@@ -80,10 +82,11 @@ class ServerState:
         it = iter(encoded)
         return [next(it) if isinstance(p, str) else p for p in prompts]
 
-    async def chat_prompt_ids(self, ticket: Ticket, messages: list[dict[str, Any]], body_bytes: int) -> list[int]:
+    async def chat_prompt_ids(self, ticket: Ticket, messages: list[dict[str, Any]], body_bytes: int,
+                              tools: list[dict[str, Any]] | None = None) -> list[int]:
         tokenization = self.need_tokenization("chat messages", "messages")
         return await self._tokenize(ticket, "messages", tokenization.chat(
-            messages, self.client.info.max_req_len, "messages", body_bytes <= INLINE_BODY_BYTES))
+            messages, self.client.info.max_req_len, "messages", body_bytes <= INLINE_BODY_BYTES, tools))
 
     async def _tokenize(self, ticket: Ticket, param: str, work: Any) -> Any:
         try:

@@ -1,0 +1,355 @@
+"""Tool calls in model output, one parser per chat-template format, chosen by `--tool-call-parser`.
+
+The names are SGLang's. Each format is known both ways: `split()` finds the calls in the text so far
+(and what is plain content), and `grammar()` builds the structural tag (xgrammar's JSON form) that
+makes the model write one or more well-formed calls when `tool_choice` is "required" or names a
+function, so that a forced call always parses.
+
+- `llama3` (Llama 3.1 / 3.2 / 3.3 JSON tool calling): the answer is one or more JSON objects
+  `{"name": ..., "parameters": {...}}` ("arguments" also accepted) separated by `;`, optionally after
+  `<|python_tag|>`; an answer that does not start with `{` is plain content.
+- `hermes` / `qwen25` (Hermes 2/3, Qwen 2.5, Qwen 3 and the bundled demo model's template): each call is
+  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; text outside the tags is content.
+
+Arguments are returned as the model wrote them (the raw JSON text), so the streamed argument
+deltas add up to exactly the non-streamed `arguments` string.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+# Every tool's arguments are constrained like response_format's JSON: any whitespace, short runs.
+_ARGUMENTS_MAX_WHITESPACE = 16
+_WS = " \t\n\r"
+
+
+@dataclass
+class CallText:
+    """One call as far as the text goes: its name once the name string is whole, the raw JSON text of
+    its arguments so far, and whether the call is whole."""
+
+    name: str | None = None
+    arguments: str = ""
+    complete: bool = False
+
+
+@dataclass
+class Split:
+    """The text so far as content and calls. Text that cannot become a call (a malformed one) is
+    content, so content only ever grows as the text does."""
+
+    content: str  # the text that is not part of a call (a possible start of a call held back)
+    calls: list[CallText] = field(default_factory=list)
+
+
+# ---- a scanner for a JSON object that may still be growing ------------------------------------------
+def _skip_ws(s: str, i: int) -> int:
+    while i < len(s) and s[i] in _WS:
+        i += 1
+    return i
+
+
+def _string_end(s: str, i: int) -> int | None:
+    """Index after the JSON string starting at s[i] == '"'; None if it is not closed yet."""
+    i += 1
+    while i < len(s):
+        if s[i] == "\\":
+            i += 2
+        elif s[i] == '"':
+            return i + 1
+        else:
+            i += 1
+    return None
+
+
+def _value_end(s: str, i: int) -> int | None:
+    """Index after the JSON value starting at s[i]; None if the text may still continue it."""
+    if s[i] == '"':
+        return _string_end(s, i)
+    if s[i] in "{[":
+        depth = 0
+        while i < len(s):
+            c = s[i]
+            if c == '"':
+                end = _string_end(s, i)
+                if end is None:
+                    return None
+                i = end
+                continue
+            if c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    return i + 1
+            i += 1
+        return None
+    j = i  # a number, true, false or null runs to the next delimiter
+    while j < len(s) and s[j] not in ",}]" + _WS:
+        j += 1
+    return j if j < len(s) else None
+
+
+def scan_object(s: str, i: int) -> tuple[dict[str, tuple[str, bool]], int | None, bool]:
+    """The JSON object starting at s[i] == '{' as far as it goes: (key -> (raw value text so far, whole),
+    index after its '}' or None while it is open, malformed). Only the top level is parsed; values
+    are kept as text."""
+    fields: dict[str, tuple[str, bool]] = {}
+    i = _skip_ws(s, i + 1)
+    if i < len(s) and s[i] == "}":
+        return fields, i + 1, False
+    while True:
+        if i >= len(s):
+            return fields, None, False
+        if s[i] != '"':
+            return fields, None, True
+        key_end = _string_end(s, i)
+        if key_end is None:
+            return fields, None, False
+        try:
+            key = json.loads(s[i:key_end])
+        except ValueError:
+            return fields, None, True
+        i = _skip_ws(s, key_end)
+        if i >= len(s):
+            return fields, None, False
+        if s[i] != ":":
+            return fields, None, True
+        i = _skip_ws(s, i + 1)
+        if i >= len(s):
+            fields[key] = ("", False)
+            return fields, None, False
+        value_end = _value_end(s, i)
+        if value_end is None:
+            fields[key] = (s[i:], False)
+            return fields, None, False
+        fields[key] = (s[i:value_end], True)
+        i = _skip_ws(s, value_end)
+        if i >= len(s):
+            return fields, None, False
+        if s[i] == "}":
+            return fields, i + 1, False
+        if s[i] != ",":
+            return fields, None, True
+        i = _skip_ws(s, i + 1)
+
+
+def _call(s: str, i: int, argument_keys: tuple[str, ...]) -> tuple[CallText | None, int | None]:
+    """The call object starting at s[i] == '{' and the index after it (None while open); no call if
+    the text is malformed (and can no longer become a call)."""
+    fields, end, bad = scan_object(s, i)
+    if bad:
+        return None, None
+    call = CallText(complete=end is not None)
+    name = fields.get("name")
+    if name is not None and name[1]:
+        try:
+            call.name = json.loads(name[0])
+        except ValueError:
+            return None, None
+        if not isinstance(call.name, str):
+            return None, None
+    elif end is not None:
+        return None, None  # a whole object without a name is no call
+    for key in argument_keys:
+        if key in fields:
+            call.arguments = fields[key][0]
+            break
+    else:
+        call.arguments = "{}" if end is not None else ""  # no arguments given: an empty argument object
+    return call, end
+
+
+def _held_back(text: str, marker: str) -> str:
+    """`text` without a tail that could be the start of `marker` (it may turn out to be one)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return text[:-n]
+    return text
+
+
+# ---- the formats ---------------------------------------------------------------------------------
+class ToolParser:
+    name = ""
+    argument_keys: tuple[str, ...] = ("arguments",)
+    separator = ""
+
+    def split(self, text: str, final: bool) -> Split:
+        raise NotImplementedError
+
+    def call_tag(self, name: str, parameters: dict) -> dict:
+        """The structural-tag `tag` of one call of function `name` with that parameter schema."""
+        raise NotImplementedError
+
+    def grammar(self, functions: list[dict], forced: str | None, parallel: bool) -> dict:
+        """The structural tag of one call of `forced`, or of one or more calls of any of `functions`
+        (exactly one unless `parallel`), with nothing else around them. functions: {"name", "parameters"}."""
+        tags = [self.call_tag(f["name"], f["parameters"]) for f in functions if forced in (None, f["name"])]
+        if forced is not None:
+            return {"type": "structural_tag", "format": tags[0]}
+        return {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags,
+                                                     "separator": self.separator, "at_least_one": True,
+                                                     "stop_after_first": not parallel}}
+
+    def _json_content(self, parameters: dict) -> dict:
+        return {"type": "json_schema", "json_schema": parameters, "max_whitespace_cnt": _ARGUMENTS_MAX_WHITESPACE}
+
+
+class HermesParser(ToolParser):
+    """`<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`, any number of them, text around."""
+
+    name = "hermes"
+    begin, end = "<tool_call>", "</tool_call>"
+    separator = "\n"
+
+    def split(self, text: str, final: bool) -> Split:
+        content, calls, i = [], [], 0
+        while True:
+            start = text.find(self.begin, i)
+            if start < 0:
+                rest = text[i:]
+                content.append(rest if final else _held_back(rest, self.begin))
+                return Split("".join(content), calls)
+            content.append(text[i:start])
+            body_start = start + len(self.begin)
+            end = text.find(self.end, body_start)
+            body = text[body_start:] if end < 0 else text[body_start:end]
+            j = _skip_ws(body, 0)
+            call = None
+            if j < len(body) and body[j] == "{":
+                call, _ = _call(body, j, self.argument_keys)
+            elif j == len(body) and end < 0:
+                call = CallText()  # just opened
+            if call is None:  # not a call after all: its text is content
+                content.append(text[start:] if end < 0 else text[start:end + len(self.end)])
+            else:
+                calls.append(call)
+            if end < 0:
+                return Split("".join(content), calls)
+            i = end + len(self.end)
+
+    def call_tag(self, name: str, parameters: dict) -> dict:
+        return {"type": "tag", "begin": f'{self.begin}\n{{"name": "{name}", "arguments": ',
+                "content": self._json_content(parameters), "end": f"}}\n{self.end}"}
+
+
+class Qwen25Parser(HermesParser):
+    name = "qwen25"
+
+
+class Llama3Parser(ToolParser):
+    """Llama 3.x JSON tool calls: the whole answer is `{"name": ..., "parameters": ...}` objects joined
+    by `;` (after `<|python_tag|>` when special tokens are kept); otherwise it is plain content."""
+
+    name = "llama3"
+    python_tag = "<|python_tag|>"
+    argument_keys = ("parameters", "arguments")
+    separator = "; "
+
+    def split(self, text: str, final: bool) -> Split:
+        tag = text.find(self.python_tag)
+        if tag >= 0:
+            content, body = text[:tag], text[tag + len(self.python_tag):]
+        else:
+            start = _skip_ws(text, 0)
+            if start == len(text):  # only whitespace yet: content or calls, nothing to say
+                return Split(text if final else "")
+            if text[start] != "{":
+                return Split(text if final else _held_back(text, self.python_tag))
+            content, body = "", text[start:]
+        calls, i = [], _skip_ws(body, 0)
+        while i < len(body):
+            call, end = _call(body, i, self.argument_keys) if body[i] == "{" else (None, None)
+            if call is None:  # text after the calls, or a malformed call: content
+                return Split(content + body[i:], calls)
+            calls.append(call)
+            if end is None:
+                break
+            i = end
+            while i < len(body) and body[i] in _WS + ";":
+                i += 1
+        return Split(content, calls)
+
+    def call_tag(self, name: str, parameters: dict) -> dict:
+        return {"type": "tag", "begin": f'{{"name": "{name}", "parameters": ',
+                "content": self._json_content(parameters), "end": "}"}
+
+
+PARSERS: dict[str, type[ToolParser]] = {"llama3": Llama3Parser, "qwen25": Qwen25Parser, "hermes": HermesParser}
+
+
+def tool_parser(name: str) -> ToolParser:
+    """The parser called `name`; ValueError naming the valid ones."""
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool call parser {name!r}; valid ones: {', '.join(PARSERS)}")
+    return PARSERS[name]()
+
+
+# ---- whole answers and streams ------------------------------------------------------------------
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+    def openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def parse_tool_calls(parser: ToolParser, text: str, new_id) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole answer; content None when empty. An answer with a malformed or
+    unfinished call is all content, with no calls. `new_id()` names each call."""
+    split = parser.split(text, final=True)
+    if any(not c.complete or c.name is None or not _is_json(c.arguments) for c in split.calls):
+        return text.strip() or None, []
+    return split.content.strip() or None, [ToolCall(new_id(), c.name, c.arguments) for c in split.calls]
+
+
+class ToolCallStream:
+    """Turns an answer's text deltas into OpenAI chat deltas: content, and `tool_calls` entries (id,
+    name and empty arguments when a call's name is known, then its arguments as they grow).
+
+    Content is the whole answer's content stripped (as `parse_tool_calls` returns it): leading
+    whitespace is dropped, trailing whitespace waits until text follows it."""
+
+    def __init__(self, parser: ToolParser, new_id) -> None:
+        self.parser = parser
+        self.new_id = new_id
+        self.text = ""
+        self.content_sent = 0
+        self.calls_sent: list[int] = []  # per call: length of the arguments text sent
+        self.ids: list[str] = []
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.calls_sent)
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
+        """(new content, new tool_calls delta entries) after `delta`; `final` on the answer's last text."""
+        self.text += delta
+        split = self.parser.split(self.text, final)
+        content = split.content.strip()
+        new_content, self.content_sent = content[self.content_sent:], max(self.content_sent, len(content))
+        entries = []
+        for index, call in enumerate(split.calls):
+            if call.name is None:
+                break
+            if index == len(self.calls_sent):
+                self.ids.append(self.new_id())
+                self.calls_sent.append(0)
+                entries.append({"index": index, "id": self.ids[index], "type": "function",
+                                "function": {"name": call.name, "arguments": ""}})
+            new_args = call.arguments[self.calls_sent[index]:]
+            if new_args:
+                entries.append({"index": index, "function": {"arguments": new_args}})
+                self.calls_sent[index] = len(call.arguments)
+        return new_content, entries

@@ -1,0 +1,165 @@
+"""Structured outputs in the offline Engine: JSON schema, regex, EBNF and structural tags on a tiny
+random model (the grammar, not the weights, makes the output valid), the grammar's end, errors, and
+overlap scheduling's exactness (its deferred masks against the non-overlapped engine's)."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from kestrel import Engine, SamplingParams
+from kestrel.server.tool_parsers import parse_tool_calls, tool_parser
+from tests.e2e.conftest import assert_pool_full
+from tests.grammar_model import make_grammar_model
+from tests.tiny_models import make_tiny_model
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        # Not maxLength: xgrammar 0.2.9 then lets raw control characters into the string (invalid JSON).
+        "name": {"type": "string", "pattern": "^[a-z ]{1,8}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+}
+PROMPT = "Describe a person as JSON:"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Two cores shared by several test runs: torch's worker threads then wait on each other (50x slower).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return make_grammar_model(tmp_path_factory.mktemp("grammar-model"))
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    with Engine(model=model, device="cpu", dtype="float32") as e:
+        yield e
+
+
+def sampled(n: int, **params) -> list[SamplingParams]:
+    return [SamplingParams(temperature=1.0, seed=seed, **params) for seed in range(n)]
+
+
+def test_json_schema_samples_parse_and_validate(engine):
+    outs = engine.generate([PROMPT] * 20, sampled(20, max_new_tokens=400, json_schema=SCHEMA))
+    for out in outs:
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+        # Ended by the grammar, not by the model sampling EOS (a finished grammar only allows EOS).
+        assert out.meta["finish_reason"] == "stop" and out.meta["matched_stop"] is None, out.text
+        assert not set(out.token_ids) & engine.eos_token_ids
+    assert len({out.text for out in outs}) == 20  # the seeds matter
+    assert_pool_full(engine)
+
+
+def test_regex_and_ebnf_samples_match(engine):
+    regex = r"(yes|no): [a-z]{1,6}\."
+    for out in engine.generate([PROMPT] * 8, sampled(8, max_new_tokens=60, regex=regex)):
+        assert re.fullmatch(regex, out.text) and out.meta["finish_reason"] == "stop", out.text
+    ebnf = 'root ::= "[" item ("," item)* "]"\nitem ::= "x" | "y" | [0-9]'
+    for out in engine.generate([PROMPT] * 8, sampled(8, max_new_tokens=60, ebnf=ebnf)):
+        assert re.fullmatch(r"\[(x|y|[0-9])(,(x|y|[0-9]))*\]", out.text), out.text
+
+
+def test_the_grammar_cache_is_hit_for_a_repeated_schema(engine):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"]}
+    engine.generate(PROMPT, SamplingParams(max_new_tokens=60, json_schema=schema))
+    hits, misses = engine.grammars.hits, engine.grammars.misses
+    outs = engine.generate([PROMPT] * 3, [SamplingParams(max_new_tokens=60, seed=s, json_schema=json.dumps(schema))
+                                          for s in range(3)])
+    assert (engine.grammars.hits, engine.grammars.misses) == (hits + 3, misses)  # the text form: the same key
+    assert all(0 <= json.loads(o.text)["n"] <= 9 for o in outs)
+
+
+def test_a_grammar_that_ends_finishes_the_request_even_at_its_length_limit(engine):
+    out = engine.generate(PROMPT, SamplingParams(max_new_tokens=50, regex="abc", ignore_eos=True))[0]
+    assert out.text == "abc" and out.meta["finish_reason"] == "stop"
+    exact = engine.generate(PROMPT, SamplingParams(max_new_tokens=len(out.token_ids), regex="abc"))[0]
+    assert exact.token_ids == out.token_ids and exact.meta["finish_reason"] == "stop"
+    cut = engine.generate(PROMPT, SamplingParams(max_new_tokens=1, regex="abcdefghij"))[0]
+    assert cut.meta["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("kind, text, message", [
+    ("json_schema", '{"type": "object", "properties": {"a": {"type": "strin"}}}', 'Unsupported type "strin"'),
+    ("regex", "[a-z", "regex is invalid"),
+    ("ebnf", 'root ::= "a" rest', 'Rule "rest" is not defined'),
+])
+def test_an_invalid_grammar_is_a_value_error_and_the_engine_keeps_serving(engine, kind, text, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        engine.generate([PROMPT, PROMPT], [SamplingParams(regex="a+"), SamplingParams(**{kind: text})])
+    assert engine.stats().num_waiting == engine.stats().num_running == 0  # the good one was not left behind
+    out = engine.generate(PROMPT, SamplingParams(max_new_tokens=8, regex="[0-9]{3}"))[0]
+    assert re.fullmatch("[0-9]{3}", out.text)
+    assert_pool_full(engine)
+
+
+def test_overlap_scheduling_masks_exactly_and_leaves_other_requests_alone(model):
+    """With overlap, a grammar batch's masks are filled one step late (after the batch in flight
+    resolves); without it, before the batch is launched. Same tokens either way, under retraction too,
+    and requests without a grammar get what they get alone."""
+    params = [SamplingParams(max_new_tokens=200, temperature=1.0, seed=s, json_schema=SCHEMA) if s % 2 else
+              SamplingParams(max_new_tokens=30, temperature=1.0, seed=s, ignore_eos=True) for s in range(10)]
+    results = {}
+    for overlap in (True, False):
+        with Engine(model=model, device="cpu", dtype="float32", disable_overlap_schedule=not overlap,
+                    max_running_requests=6, max_total_tokens=300, chunked_prefill_size=16,
+                    schedule_conservativeness=0) as e:
+            outs = e.generate([PROMPT] * 10, params)
+            results[overlap] = [(o.token_ids, o.meta["finish_reason"], o.text) for o in outs]
+            assert e.stats().num_retractions > 0
+            assert_pool_full(e)
+    assert results[True] == results[False]
+    for _, reason, text in results[True][1::2]:
+        assert reason == "stop"
+        jsonschema.validate(json.loads(text), SCHEMA)
+    with Engine(model=model, device="cpu", dtype="float32") as e:
+        for i in range(0, 10, 2):
+            assert e.generate(PROMPT, params[i])[0].token_ids == results[True][i][0]
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3"])  # qwen25 is hermes' other name
+def test_forced_tool_call_grammars_give_calls_that_parse(engine, parser_name):
+    """The structural tag a parser builds for tool_choice "required" / a named function, as the server
+    sends it: the output parses back into calls whose arguments follow the tools' schemas."""
+    parser = tool_parser(parser_name)
+    functions = [{"name": "get_weather", "parameters": {
+                     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {
+                         "type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"]}},
+                 {"name": "now", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}]
+    schemas = {f["name"]: f["parameters"] for f in functions}
+    # (With parallel calls a random model keeps calling until max_new_tokens: a trained one stops.)
+    for forced, parallel in ((None, False), ("get_weather", True), ("now", False)):
+        tag = json.dumps(parser.grammar(functions, forced, parallel))
+        for out in engine.generate([PROMPT] * 4, sampled(4, max_new_tokens=300, structural_tag=tag)):
+            assert out.meta["finish_reason"] == "stop", out.text
+            content, calls = parse_tool_calls(parser, out.text, lambda: "id")
+            assert content is None and calls, out.text
+            assert len(calls) == 1
+            for call in calls:
+                assert forced in (None, call.name)
+                jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+def test_grammars_are_refused_with_speculative_decoding_and_without_a_tokenizer(model, tmp_path):
+    with Engine(model=model, device="cpu", dtype="float32", speculative_algorithm="NGRAM") as spec:
+        with pytest.raises(ValueError, match=r"grammars \(json_schema, regex, ebnf, structural_tag\)"):
+            spec.add_request(PROMPT, sampling_params=SamplingParams(temperature=0, regex="a"))
+    bare = make_tiny_model("llama", tmp_path / "no-tokenizer")
+    with Engine(model=str(bare), device="cpu", dtype="float32") as e:
+        with pytest.raises(ValueError, match="regex needs a tokenizer"):
+            e.add_request(prompt_token_ids=[3, 4], sampling_params=SamplingParams(regex="a"))

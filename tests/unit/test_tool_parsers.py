@@ -1,0 +1,112 @@
+"""Tool-call parsers on handwritten model outputs: whole answers, and streams cut at every character.
+
+The stream oracle is the whole-answer parse: the content deltas join to its content, and the
+tool-call deltas, accumulated the way the openai client does, give its calls (names and arguments).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from kestrel.server.tool_parsers import PARSERS, ToolCallStream, parse_tool_calls, tool_parser
+
+
+def ids():
+    counter = itertools.count()
+    return lambda: f"call_{next(counter)}"
+
+
+WEATHER = '{"city": "Paris", "days": [1, 2], "note": "a \\"quoted\\" } brace"}'
+CASES = {
+    "hermes": [
+        # (model output, content, [(name, arguments)])
+        (f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>', None,
+         [("get_weather", WEATHER)]),
+        (f'Let me look.\n<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>', "Let me look.",
+         [("get_weather", WEATHER), ("now", "{}")]),
+        ('<tool_call>{"name":"now"}</tool_call>', None, [("now", "{}")]),  # no arguments: none
+        ("Plain answer, a < b and <tool but no call.", "Plain answer, a < b and <tool but no call.", []),
+        ("<tool_call>\nnot json\n</tool_call> done", "<tool_call>\nnot json\n</tool_call> done", []),
+    ],
+    "llama3": [
+        (f'{{"name": "get_weather", "parameters": {WEATHER}}}', None, [("get_weather", WEATHER)]),
+        (f'  {{"name": "get_weather", "parameters": {WEATHER}}}; {{"name": "now", "arguments": {{}}}}', None,
+         [("get_weather", WEATHER), ("now", "{}")]),
+        (f'Sure.<|python_tag|>{{"name": "get_weather", "parameters": {WEATHER}}}', "Sure.",
+         [("get_weather", WEATHER)]),
+        ('The answer is {"a": 1}.', 'The answer is {"a": 1}.', []),
+        ('{"oops": }', '{"oops": }', []),
+    ],
+}
+CASES["qwen25"] = CASES["hermes"]
+
+
+def cases() -> list:
+    return [pytest.param(name, *item, id=f"{name}-{i}") for name, items in CASES.items() for i, item in enumerate(items)]
+
+
+@pytest.mark.parametrize("parser_name, text, content, calls", cases())
+def test_whole_answers_parse(parser_name, text, content, calls):
+    got_content, got = parse_tool_calls(tool_parser(parser_name), text, ids())
+    assert got_content == content
+    assert [(c.name, c.arguments) for c in got] == calls
+    assert len({c.id for c in got}) == len(got)
+    for c in got:
+        json.loads(c.arguments)
+
+
+def accumulate(entries: list[dict]) -> list[dict]:
+    """Tool-call deltas as a client accumulates them: by index, the first names the call, arguments add up."""
+    calls: list[dict] = []
+    for entry in entries:
+        if entry["index"] == len(calls):
+            assert entry["id"] and entry["type"] == "function" and entry["function"]["name"]
+            calls.append({"id": entry["id"], "name": entry["function"]["name"], "arguments": ""})
+        else:
+            assert "id" not in entry and "name" not in entry["function"]
+        calls[entry["index"]]["arguments"] += entry["function"]["arguments"]
+    return calls
+
+
+@pytest.mark.parametrize("parser_name, text, content, calls", cases())
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_streams_add_up_to_the_whole_answer(parser_name, text, content, calls, chunk):
+    stream = ToolCallStream(tool_parser(parser_name), ids())
+    pieces = [text[i:i + chunk] for i in range(0, len(text), chunk)]
+    deltas = [stream.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    assert "".join(c for c, _ in deltas) == (content or "")
+    got = accumulate([e for _, entries in deltas for e in entries])
+    assert [(c["name"], c["arguments"]) for c in got] == calls
+    assert stream.num_calls == len(calls)
+
+
+def test_a_stream_names_a_call_before_its_arguments_end():
+    stream = ToolCallStream(tool_parser("hermes"), ids())
+    content, entries = stream.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
+    assert content == "" and entries[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert entries[1]["function"]["arguments"] == '{"city": "Pa'
+    # Text that may start a call (and trailing whitespace) is held back, then let go once it is not one.
+    assert stream.feed("ris\"}}\n</tool_call>\nok <tool")[0] == "ok"
+    assert stream.feed("s", final=True)[0] == " <tools"
+
+
+@pytest.mark.parametrize("parser_name", sorted(PARSERS))
+def test_forced_call_grammars_name_the_parsers_format(parser_name):
+    parser = tool_parser(parser_name)
+    functions = [{"name": "f", "parameters": {"type": "object"}}, {"name": "g", "parameters": {"type": "object"}}]
+    forced = parser.grammar(functions, "g", parallel=True)["format"]
+    assert forced["type"] == "tag" and '"g"' in forced["begin"] and '"f"' not in json.dumps(forced)
+    any_call = parser.grammar(functions, None, parallel=False)["format"]
+    assert any_call["type"] == "tags_with_separator" and any_call["at_least_one"] and any_call["stop_after_first"]
+    # What the grammar writes around a call's arguments, the parser reads back.
+    tag = any_call["tags"][0]
+    text = tag["begin"] + '{"x": 1}' + tag["end"]
+    assert [(c.name, c.arguments) for c in parse_tool_calls(parser, text, ids())[1]] == [("f", '{"x": 1}')]
+
+
+def test_an_unknown_parser_names_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown tool call parser 'mistral'; valid ones: llama3, qwen25, hermes"):
+        tool_parser("mistral")
