@@ -102,6 +102,11 @@ class SamplingParams:
             dict_ok = kind in ("json_schema", "structural_tag")
             if not (isinstance(value, str) and value) and not (dict_ok and isinstance(value, dict)):
                 bad(kind, "a non-empty string" + (" or a dict" if dict_ok else "") + " or None")
+            if isinstance(value, dict):
+                try:
+                    json.dumps(value)
+                except (TypeError, ValueError):
+                    bad(kind, "a dict of JSON values")
         if len(given) > 1:
             raise ValueError(f"{given[0]} and {given[1]} are both set: give at most one of {', '.join(GRAMMAR_KINDS)}")
         ids = self.stop_token_ids or []

@@ -178,7 +178,11 @@ class Engine:
         if self.tokenizer is None:
             raise ValueError(f"{params.grammar[0]} needs a tokenizer to compile against; this model folder has none")
         if self.grammars is None:
-            self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            try:
+                self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            except Exception as e:  # xgrammar cannot read this tokenizer: no grammar can be served
+                raise ValueError(f"{params.grammar[0]} cannot be served: xgrammar does not take this model's "
+                                 f"tokenizer ({type(e).__name__}: {e})") from e
         return self.grammars.state(params)
 
     def abort(self, rid: str) -> bool:

@@ -110,3 +110,35 @@ def test_forced_call_grammars_name_the_parsers_format(parser_name):
 def test_an_unknown_parser_names_the_valid_ones():
     with pytest.raises(ValueError, match="unknown tool call parser 'mistral'; valid ones: llama3, qwen25, hermes"):
         tool_parser("mistral")
+
+
+def test_the_demo_template_renders_tools_and_calls_in_the_hermes_format():
+    from transformers import AutoTokenizer
+
+    from kestrel.assets import resolve_model_path
+    from kestrel.engine.tokenizer import apply_chat_template_text
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("demo"))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+             {"id": "c2", "type": "function", "function": {"name": "now", "arguments": "{}"}}]
+    messages = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    text = apply_chat_template_text(tok, messages, tools=tools)
+    assert json.dumps(tools[0]) in text and text.endswith("<|tool|>sunny<|eos|><|assistant|>")
+    # What the template writes for the assistant's calls is what the hermes parser reads back.
+    answer = text.split("<|assistant|>")[1].split("<|eos|>")[0]
+    parsed = parse_tool_calls(tool_parser("hermes"), answer, ids())
+    assert parsed[0] is None
+    assert [(c.name, json.loads(c.arguments)) for c in parsed[1]] == [("get_weather", {"city": "Oslo"}), ("now", {})]
+    # Without tools the template renders as it always did.
+    assert apply_chat_template_text(tok, messages[:1]) == "<|bos|><|user|>weather?<|eos|><|assistant|>"
+
+
+def test_malformed_tool_calls_in_messages_are_a_value_error():
+    from kestrel.engine.tokenizer import normalize_messages
+
+    with pytest.raises(ValueError, match=r"messages\[0\].tool_calls must be a list"):
+        normalize_messages([{"role": "assistant", "content": None, "tool_calls": [{"function": "f"}]}])
+    with pytest.raises(ValueError, match="has no 'content'"):
+        normalize_messages([{"role": "user", "tool_calls": []}])
