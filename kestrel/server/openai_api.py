@@ -68,7 +68,7 @@ async def completions(state: ServerState, request: Request) -> Response:
                                   "max_tokens", _API_NAMES)
         echoes = [(p if isinstance(p, str) else state.decode(p)) if body.echo else "" for p in texts]
         gen = Generation(state.client, state.tokenizer, *expand_choices(prompts, params, body.n), ticket,
-                         grammar_param="response_format" if body.response_format else None)
+                         grammar_param=body.grammar_param())
     echo_of = [echoes[i // body.n] for i in range(len(gen.choices))]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": gen.created,
             "model": state.served_model_name}
@@ -129,7 +129,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
             raise bad_request("tool_choice 'required' or a named function constrains the output to tool calls; "
                               f"drop {next(iter(grammar))}", "tool_choice")
         grammar = {"structural_tag": tools.structural_tag}
-    grammar_param = "tools" if "structural_tag" in grammar else "response_format" if body.response_format else None
+    grammar_param = "tools" if tools is not None and tools.structural_tag is not None else body.grammar_param()
     # Without max_tokens, as vLLM: up to the end of the context, at most max_req_len - 1 for any prompt.
     base = validated(body.sampling_params(info.max_req_len - 1 if asked is None else asked,
                                           body.engine_top_logprobs(), grammar), info.vocab_size, names)

@@ -75,6 +75,11 @@ class _OpenAISampling(_Body):
                               "response_format")
         return from_format or given
 
+    def grammar_param(self) -> str | None:
+        """The field that an engine error about the grammar should name: response_format when it set the
+        grammar; None: the SamplingParams field itself (regex, ...)."""
+        return "response_format" if response_format_grammar(self.response_format) else None
+
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
