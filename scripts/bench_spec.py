@@ -14,6 +14,7 @@ JSON goes to $OUT/spec_<part>.json; a table is printed last.
 """
 from __future__ import annotations
 
+import gc
 import inspect
 import json
 import os
@@ -54,7 +55,7 @@ def timed_generate(engine: Engine, prompts, params, repeats: int = 3) -> tuple[f
 
 def demo() -> list[dict]:
     common = dict(model="demo", device="cuda", dtype="bfloat16", max_running_requests=64, cuda_graph_max_bs=64,
-                  disable_radix_cache=True)
+                  disable_radix_cache=True, max_total_tokens=100_000)
     variants = [("plain", {}),
                 ("EAGLE demo-eagle 5/4/8", dict(speculative_algorithm="EAGLE", speculative_draft_model_path="demo-eagle")),
                 ("EAGLE demo-eagle 3/1/4", dict(speculative_algorithm="EAGLE", speculative_draft_model_path="demo-eagle",
@@ -80,7 +81,15 @@ def demo() -> list[dict]:
                                  accept_length=round(accept, 3) if accept else None,
                                  speedup=round(tps / plain_tps[bs], 3)))
                 print(rows[-1], flush=True)
+        del engine
+        free_gpu()
     return rows
+
+
+def free_gpu() -> None:
+    """Give the previous engine's weights, KV pool and graphs back before the next one sizes its pool."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def eagle3_head_folder(root: Path) -> str:
@@ -93,17 +102,31 @@ def eagle3_head_folder(root: Path) -> str:
     return str(root)
 
 
-def step_times(engine: Engine, bs: int, rounds: int) -> tuple[float, list[float], list[float]]:
-    """Median synchronised wall time of `rounds` decode steps (or rounds) at batch `bs`, and the CUDA
-    event times of the target's and the draft's forwards inside them."""
-    params = SamplingParams(max_new_tokens=rounds + 8, temperature=0.0, ignore_eos=True)
+def step_times(engine: Engine, bs: int, rounds: int) -> dict:
+    """At batch `bs`: the median synchronised wall time of a decode step (or round), the mean step time
+    when steps are not synchronised (plain decoding then overlaps host and device), and the CUDA-event
+    times of the forwards inside: the target's (verify), the draft phase, the draft extend."""
+    params = SamplingParams(max_new_tokens=2 * rounds + 8, temperature=0.0, ignore_eos=True)
     for i in range(bs):
         engine.add_request(prompt_token_ids=[(37 * i + j) % 30000 + 100 for j in range(512)], sampling_params=params)
     while engine.scheduler.waiting or engine.scheduler.chunked:
         engine.step()
     for _ in range(3):
         engine.step()
-    runners = [engine.runner] + ([engine.draft_worker.runner] if engine.draft_worker else [])
+    worker = engine.draft_worker
+    runners = [engine.runner] + ([worker.runner] if worker else [])
+    draft_events: list = []
+    if worker:
+        draft = worker.lanes.draft
+
+        def timed_draft(*args):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            tree = draft(*args)
+            end.record()
+            draft_events.append((start, end))
+            return tree
+        worker.lanes.draft = timed_draft
     for runner in runners:
         runner.forward_events = []
     walls = []
@@ -113,14 +136,24 @@ def step_times(engine: Engine, bs: int, rounds: int) -> tuple[float, list[float]
         engine.step()
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - start)
-    gpu = [[s.elapsed_time(e) for s, e in runner.forward_events] for runner in runners]
+    gpu = [[s.elapsed_time(e) for s, e in events] for events in [r.forward_events for r in runners] + [draft_events]]
     for runner in runners:
         runner.forward_events = None
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        engine.step()
+    torch.cuda.synchronize()
+    unsynced = (time.perf_counter() - start) / rounds
+    if worker:
+        worker.lanes.draft = draft
     for rid in list(engine._reqs):
         engine.abort(rid)
     while engine.has_work():
         engine.step()
-    return statistics.median(walls) * 1e3, gpu[0], gpu[1] if len(gpu) > 1 else []
+    med = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
+    return dict(synced_ms=med([w * 1e3 for w in walls]), unsynced_ms=round(unsynced * 1e3, 3), target_gpu_ms=med(gpu[0]),
+                extend_gpu_ms=med(gpu[1]) if worker else None, draft_gpu_ms=med(gpu[2]) if worker else None)
 
 
 def llama8b() -> list[dict]:
@@ -129,24 +162,31 @@ def llama8b() -> list[dict]:
                   max_running_requests=32, cuda_graph_max_bs=32, disable_radix_cache=True)
     rows = []
     with Engine(**common) as engine:
-        plain = {bs: step_times(engine, bs, 20)[0] for bs in (1, 8, 32)}
-    print("plain decode ms/step", plain, flush=True)
+        plain = {bs: step_times(engine, bs, 20) for bs in (1, 8, 32)}
+    del engine
+    free_gpu()
+    print("plain decode", plain, flush=True)
     head = eagle3_head_folder(Path(tempfile.mkdtemp()))
     for steps, topk, tokens in ((3, 1, 4), (5, 4, 8), (5, 4, 16)):
         shape = dict(speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens)
         with Engine(**common, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                     speculative_disable_batch_size=1000, **shape) as engine:
             for bs in (1, 8, 32):
-                round_ms, target_ms, draft_ms = step_times(engine, bs, 20)
-                per_round = steps  # draft forwards (steps - 1) + the draft extend, per round
-                draft_step = statistics.median(draft_ms[i] for i in range(len(draft_ms)) if i % per_round != steps - 1)
-                extend = statistics.median(draft_ms[steps - 1::per_round])
-                row = dict(shape=f"{steps}/{topk}/{tokens}", batch=bs, decode_ms=round(plain[bs], 3),
-                           round_ms=round(round_ms, 3), verify_gpu_ms=round(statistics.median(target_ms), 3),
-                           draft_step_gpu_ms=round(draft_step, 3), draft_extend_gpu_ms=round(extend, 3),
-                           **{f"speedup_at_L{L}": round(L * plain[bs] / round_ms, 2) for L in (2, 3, 4, 5)})
+                t = step_times(engine, bs, 20)
+                # Against plain decoding as it runs (overlapped), not its synchronised steps.
+                decode = plain[bs]["unsynced_ms"]
+                row = dict(shape=f"{steps}/{topk}/{tokens}", batch=bs, decode_ms=decode,
+                           decode_synced_ms=plain[bs]["synced_ms"], round_ms=t["synced_ms"],
+                           verify_gpu_ms=t["target_gpu_ms"], draft_gpu_ms=t["draft_gpu_ms"],
+                           draft_step_gpu_ms=round(t["draft_gpu_ms"] / (steps - 1), 3),
+                           draft_extend_gpu_ms=t["extend_gpu_ms"],
+                           # A round commits at most steps + 1 tokens.
+                           **{f"speedup_at_L{L}": round(L * decode / t["synced_ms"], 2) if L <= steps + 1 else None
+                              for L in (2, 3, 4, 5)})
                 rows.append(row)
                 print(row, flush=True)
+        del engine
+        free_gpu()
     return rows
 
 

@@ -215,7 +215,7 @@ def load_eagle_head(path: str | Path, algorithm: str, target: TargetParts, num_t
         raise ValueError(f"the checkpoint at {path} is a {variant} head, asked to load it as {algorithm}")
     config = read_config(path)
     cfg = parse_arch_config(config)
-    names = set(checkpoint_names(path))
+    names = set(checkpoint_names(path)) if load_format != "dummy" else set()
     with torch.device(device), _default_dtype(dtype):
         if variant == "EAGLE":
             head = EagleHead(cfg, target, fc_bias="fc.bias" in names, max_positions=max_positions, kernels=kernels)

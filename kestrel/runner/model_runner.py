@@ -90,14 +90,16 @@ class ModelRunner:
     def graphs_on(self) -> bool:
         return self._graphs_on
 
-    def capture_graphs(self, mode: ForwardMode, tokens_per_request: int, capture_hidden: tuple[int, ...] = ()) -> None:
+    def capture_graphs(self, mode: ForwardMode, tokens_per_request: int, capture_hidden: tuple[int, ...] = (),
+                       features: tuple[int, torch.dtype] | None = None) -> None:
         """Capture CUDA graphs for batches of `mode` with this many new tokens per request (a verify
-        step's tree size), for every batch-size bucket; a no-op where graphs are off."""
+        step's tree size), for every batch-size bucket; a no-op where graphs are off. `features`: the
+        (width, dtype) of a draft head's feature input."""
         if not self._graphs_on:
             return
         self.cuda_graphs[(mode, tokens_per_request)] = CudaGraphRunner(
             self.model, self.attn_backend, self.req_to_token.padding_row, self.graph_max_bs, self.device, mode,
-            tokens_per_request, capture_hidden)
+            tokens_per_request, capture_hidden, features)
 
     @property
     def graph_max_bs(self) -> int:

@@ -30,7 +30,9 @@ from kestrel.spec.draft_backends import create_draft_backends
 from kestrel.spec.draft_lanes import DraftLanes
 from kestrel.spec.draft_model import Draft
 from kestrel.spec.resolve import draft_forwards
-from kestrel.spec.tree import draft_step
+from kestrel.runner.bucket_graphs import BucketGraphs
+from kestrel.spec.accept import accept_greedy
+from kestrel.spec.tree import DraftTree
 from kestrel.spec.verify import Verified, verify_tree
 
 _NO_WRITES = torch.empty(3, 0, dtype=torch.int64)
@@ -45,29 +47,35 @@ class DraftWorker:
         self.eos_token_ids = eos_token_ids
         self.num_steps, self.topk = spec.speculative_num_steps, spec.speculative_eagle_topk
         self.num_draft = spec.speculative_num_draft_tokens
+        # Tokens a round commits at most, so a DRAFT_EXTEND after a round has this fixed shape (padded).
+        self.extend_tokens = min(self.num_steps + 1, self.num_draft)
         self.context_length = config.model.context_length
         self.device = memory.device
-        forwards = draft_forwards(spec)
         max_requests = config.scheduler.max_running_requests
-        self.lanes = DraftLanes(max_requests, self.topk, forwards, self.context_length,
-                                memory.req_to_token.table.shape[1], memory.scratch_base, self.device)
-        backends = create_draft_backends(config, memory.pools[1], memory.req_to_token, self.lanes.lane_table)
-        self.decode_backends = backends.decode.attn_backends if backends.decode is not None else []
+        forwards = draft_forwards(spec)
+        lane_table = DraftLanes.lane_table_for(max_requests, self.topk, forwards, memory.req_to_token.table.shape[1],
+                                               self.device)
+        backends = create_draft_backends(config, memory.pools[1], memory.req_to_token, lane_table)
+        decode_backends = backends.decode.attn_backends if backends.decode is not None else []
         self.runner = ModelRunner(config, draft.model, memory, memory.pools[1], future_tokens,
                                   attn_backend=backends.extend)
-        feature_width = None
-        if draft.uses_features:
-            dtype = next(draft.model.parameters()).dtype
-            feature_width = (draft.model.config.hidden_size, dtype)
-        target.capture_graphs(ForwardMode.TARGET_VERIFY, self.num_draft, draft.target_capture)
-        if target.graphs_on and self.decode_backends and REGISTRY[self.decode_backends[0].name].cuda_graph:
-            self.lanes.capture_graphs(draft.model, self.decode_backends, target.graph_max_bs,
-                                      root_forward=not draft.uses_features, features=feature_width)
-        rows = max_requests + 1
-        if draft.uses_features:  # the last DRAFT_EXTEND's output per request row
-            self.features = torch.zeros(rows, feature_width[0], dtype=feature_width[1], device=self.device)
-            self.top_logprobs = torch.zeros(rows, self.topk, device=self.device)
-            self.top_tokens = torch.zeros(rows, self.topk, dtype=torch.int64, device=self.device)
+        first_level = feature = None
+        if draft.uses_features:  # the last DRAFT_EXTEND's output per request row: the next tree's first level
+            rows, dtype = max_requests + 1, next(draft.model.parameters()).dtype
+            feature = (draft.model.config.hidden_size, dtype)
+            first_level = (torch.zeros(rows, self.topk, device=self.device),
+                           torch.zeros(rows, self.topk, dtype=torch.int64, device=self.device),
+                           torch.zeros(rows, feature[0], dtype=dtype, device=self.device))
+        self.first_level = first_level
+        self.lanes = DraftLanes(self.runner, decode_backends, lane_table, memory.req_to_token, self.topk,
+                                self.num_draft, self.context_length, memory.scratch_base, first_level)
+        self.greedy_graphs: BucketGraphs | None = None
+        if target.graphs_on and all(REGISTRY[b.name].cuda_graph for b in decode_backends):
+            target.capture_graphs(ForwardMode.TARGET_VERIFY, self.num_draft, draft.target_capture)
+            self.runner.capture_graphs(ForwardMode.DRAFT_EXTEND, self.extend_tokens, features=feature)
+            self.lanes.capture_graphs(target.graph_max_bs)
+            self.greedy_graphs = greedy_acceptance_graphs(self.num_draft, self.lanes.num_forwards + bool(first_level),
+                                                          target.graph_max_bs, self.device)
         self.accept_lengths: list[int] = []  # tokens committed per request-round
 
     @staticmethod
@@ -110,37 +118,38 @@ class DraftWorker:
         rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64).to(self.device, non_blocking=True)
         roots_host = batch.input_ids[::n]  # each request's last committed token, at position prefix_len
         roots = torch.tensor(roots_host, dtype=torch.int64).to(self.device, non_blocking=True)
-        first = features = None
-        if self.draft.uses_features:
-            first = draft_step(self.top_logprobs[rows][:, None], self.top_tokens[rows][:, None], None, self.topk)
-            features = self.features[rows]
-        tree = self.lanes.draft(self.runner, self.decode_backends, self.memory.req_to_token.table, rows,
-                                batch.prefix_lens, roots, first, features, n)
+        tree = self.lanes.draft(rows, batch.prefix_lens, roots)
         batch.capture_hidden = self.draft.target_capture
         sampling = SamplingBatch.from_requests(reqs, self.target.vocab_size, self.eos_token_ids, self.device)
-        verified = verify_tree(self.scheduler, self.target, batch, tree, self.context_length, sampling)
+        verified = verify_tree(self.scheduler, self.target, batch, tree, self.context_length, sampling,
+                               self.greedy_graphs)
         self._extend_committed(batch, roots_host, verified)
         self.accept_lengths += verified.counts
         return verified
 
     def _extend_committed(self, batch: ScheduledBatch, roots: list[int], v: Verified) -> None:
-        ids, positions, slots, extend, picked = [], [], [], [], []
+        """DRAFT_EXTEND over each request's committed tokens, padded to `extend_tokens` per request (a
+        fixed shape, so a CUDA graph serves it): padding writes the reserved slot 0 and, coming after the
+        real tokens, never reaches them through the causal mask."""
+        e = self.extend_tokens
+        ids, positions, slots, picked, last = [], [], [], [], []
         for i, (req, p, k) in enumerate(zip(batch.reqs, batch.prefix_lens, v.counts)):
             # Feature draft: position p + j reads committed token p + j + 1; STANDALONE reads token p + j.
-            ids += v.tokens[i] if self.draft.uses_features else [roots[i]] + v.tokens[i][:k - 1]
-            positions += [min(q, self.context_length - 1) for q in range(p, p + k)]
-            slots += req.slots[p:p + k]
-            extend.append(k)
-            picked += [i * self.num_draft + node for node in v.paths[i]]
+            ids += (v.tokens[i] if self.draft.uses_features else [roots[i]] + v.tokens[i][:k - 1]) + [0] * (e - k)
+            positions += [min(q, self.context_length - 1) for q in range(p, p + e)]
+            slots += req.slots[p:p + k] + [0] * (e - k)
+            picked += [i * self.num_draft + node for node in v.paths[i]] + [i * self.num_draft] * (e - k)
+            last.append(i * e + k - 1)
         writes, moves, new = self.scheduler.kv.drain()  # the rollback's row writes and KV moves
         assert new.numel() == 0, "nothing is allocated between a verify and its draft extend"
-        extend_batch = ScheduledBatch(ForwardMode.DRAFT_EXTEND, batch.req_pool_indices, batch.prefix_lens, extend,
+        b = batch.batch_size
+        extend_batch = ScheduledBatch(ForwardMode.DRAFT_EXTEND, batch.req_pool_indices, batch.prefix_lens, [e] * b,
                                       ids, positions, torch.tensor(slots, dtype=torch.int64), writes, moves,
-                                      reqs=batch.reqs)
+                                      logits_at_all_tokens=True, reqs=batch.reqs)
         features = self._target_features(v.target)
         if features is not None:
             features = features[torch.tensor(picked, dtype=torch.int64).to(self.device, non_blocking=True)]
-        self._extend(extend_batch, features)
+        self._extend(extend_batch, features, torch.tensor(last, dtype=torch.int64))
 
     # ---- shared --------------------------------------------------------------------------------
     def _target_features(self, out: ForwardOutput) -> torch.Tensor | None:
@@ -149,11 +158,31 @@ class DraftWorker:
             return None
         return self.draft.features(out.captured if self.draft.target_capture else out.token_hidden)
 
-    def _extend(self, batch: ScheduledBatch, features: torch.Tensor | None) -> None:
+    def _extend(self, batch: ScheduledBatch, features: torch.Tensor | None, rows: torch.Tensor | None = None) -> None:
+        """Run a DRAFT_EXTEND; a feature draft keeps its output at each request's last token (`rows` of
+        the output when it has logits at every token)."""
         out = self.runner.forward(batch, DeviceInputs(features=features))
-        if self.draft.uses_features:
-            rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64).to(self.device, non_blocking=True)
-            logprobs, tokens = F.log_softmax(out.logits, dim=-1).topk(self.topk, dim=-1)
-            self.features[rows] = out.hidden.to(self.features.dtype)
-            self.top_logprobs[rows] = logprobs
-            self.top_tokens[rows] = tokens
+        if self.first_level is None:
+            return
+        hidden, logits = out.hidden, out.logits
+        if rows is not None:
+            rows = rows.to(self.device, non_blocking=True)
+            hidden, logits = hidden[rows], logits[rows]
+        req_rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64).to(self.device, non_blocking=True)
+        top_logprobs, top_tokens, features = self.first_level
+        top_logprobs[req_rows], top_tokens[req_rows] = F.log_softmax(logits, dim=-1).topk(self.topk, dim=-1)
+        features[req_rows] = hidden.to(features.dtype)
+
+
+def greedy_acceptance_graphs(num_draft: int, max_depth: int, max_bs: int, device: torch.device) -> BucketGraphs:
+    """Greedy acceptance (a walk of `max_depth` steps, a few kernels each) as CUDA graphs."""
+    def accept(tokens: torch.Tensor, parents: torch.Tensor, target_argmax: torch.Tensor):
+        tree = DraftTree(tokens, parents, parents, None, max_depth)  # the walk reads tokens and parents only
+        acc = accept_greedy(tree, target_argmax)
+        return acc.accepted_nodes, acc.num_accepted, acc.bonus_tokens, acc.new_tokens
+
+    def inputs(bs: int) -> list[torch.Tensor]:
+        zeros = torch.zeros(bs, num_draft, dtype=torch.int64, device=device)
+        return [zeros, zeros - 1, zeros]
+
+    return BucketGraphs(accept, inputs, (0, -1, 0), max_bs, device)

@@ -33,9 +33,10 @@ class Verified:
 
 
 def verify_tree(scheduler, runner, batch: ScheduledBatch, tree: DraftTree, context_length: int,
-                sampling: SamplingBatch) -> Verified:
+                sampling: SamplingBatch, greedy_graphs=None) -> Verified:
     """Score `tree` (on the runner's device) for `batch` (a TARGET_VERIFY from the scheduler, whose
-    requests' sampled tokens are all resolved), accept, commit the batch and roll the KV back."""
+    requests' sampled tokens are all resolved), accept, commit the batch and roll the KV back.
+    `greedy_graphs` (kestrel.spec.draft_worker): greedy acceptance as CUDA graphs, for all-greedy batches."""
     reqs, n = batch.reqs, tree.tokens.shape[1]
     device = runner.device
     prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64).to(device, non_blocking=True)
@@ -46,7 +47,10 @@ def verify_tree(scheduler, runner, batch: ScheduledBatch, tree: DraftTree, conte
     batch.logits_at_all_tokens = True
     out = runner.forward(batch, DeviceInputs(input_ids=tree.tokens.flatten(), positions=positions))
     logits = out.logits.view(len(reqs), n, -1)
-    acc = accept_sampling(logits, tree, sampling)
+    if sampling.all_greedy and greedy_graphs is not None and greedy_graphs.can_run(len(reqs)):
+        acc = Acceptance(*greedy_graphs(tree.tokens, tree.parents, logits.argmax(-1)))
+    else:
+        acc = accept_sampling(logits, tree, sampling)
     asks = [(i, r.params.logprobs) for i, r in enumerate(reqs) if r.params.logprobs is not None]
     lp_host = _path_logprobs(logits, acc, asks) if asks else None
     host = torch.cat([acc.num_accepted[:, None], acc.accepted_nodes, acc.new_tokens], 1).tolist()  # the sync

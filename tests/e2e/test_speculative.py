@@ -198,3 +198,26 @@ def test_speculative_sampling_keeps_the_target_distribution(tmp_path):
                 assert 1 < sum(lengths) / len(lengths) < 3
     for plain, speculative in zip(*counts):
         assert _chi_square_p(plain, speculative) > 1e-3
+
+
+def test_server_reports_accept_lengths_in_meta_and_metrics(models):
+    import httpx
+
+    from tests.e2e.server_process import ServerProcess, metric, metric_samples, wait_idle
+
+    server = ServerProcess(models["target"], "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path",
+                           models["target"], "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+                           "--speculative-num-draft-tokens", "4", "--served-model-name", "spec")
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            body = {"input_ids": prompts()[0], "sampling_params": {"max_new_tokens": 9, "temperature": 0,
+                                                                   "ignore_eos": True}}
+            meta = http.post("/generate", json=body).json()["meta_info"]
+            assert meta["spec_verify_ct"] == 2 and meta["spec_accept_length"] == 4.0  # the target drafts itself
+            assert meta["spec_accept_histogram"] == [0, 0, 0, 0, 2]
+            wait_idle(http)
+            samples = metric_samples(http)
+            assert metric(samples, "kestrel:spec_accept_length", model_name="spec") == 4.0
+            assert metric(samples, "kestrel:spec_accept_length_per_round_count", model_name="spec") == 2
+    finally:
+        server.stop()
