@@ -25,6 +25,7 @@ from kestrel.engine.sampler import PendingSample, Sampler, SamplingBatch
 from kestrel.engine.scheduler import Scheduler
 from kestrel.engine.tokenizer import eos_token_ids, load_tokenizer
 from kestrel.models.loader import load_model
+from kestrel.quant.kv import kv_cache_dtype
 from kestrel.runner.future_tokens import FutureTokens
 from kestrel.runner.model_runner import ModelRunner, layer_kernels, triton_on_device
 
@@ -66,12 +67,12 @@ class Engine:
         self.device = torch.device(config.device)
         dtype = getattr(torch, config.model.dtype)
         model = load_model(config.model.model, dtype, self.device, layer_kernels(config), config.model.load_format,
-                           config.model.hf_config)
+                           config.model.hf_config, config.model.quantization)
         self.vocab_size = model.config.vocab_size
 
         # ---- KV memory: the engine's, shaped by the model ----------------------------------------
         sched = config.scheduler
-        layouts = [model.kv_layout(dtype)]
+        layouts = [model.kv_layout(kv_cache_dtype(config.cache.kv_cache_dtype, dtype))]
         if layouts[0].prefix_cache_unsupported and not config.cache.disable_radix_cache:
             logger.warning("prefix caching is off for this model: %s", layouts[0].prefix_cache_unsupported)
             config = self.config = dataclasses.replace(
@@ -81,8 +82,8 @@ class Engine:
         self.kv_memory = KVMemory(layouts, size, config.cache.page_size, sched.max_running_requests,
                                   config.model.context_length, self.device, step_slack=slack)
         alloc = self.kv_memory.allocator
-        logger.info("KV pool: %d tokens (%.2f GiB), page size %d", alloc.size,
-                    alloc.size * self.kv_memory.bytes_per_token / 2**30, alloc.page_size)
+        logger.info("KV pool: %d tokens (%.2f GiB, %s), page size %d", alloc.size,
+                    alloc.size * self.kv_memory.bytes_per_token / 2**30, config.cache.kv_cache_dtype, alloc.page_size)
         # Every sampled request holds a req_to_token row, so a step samples at most max_running_requests.
         future_tokens = FutureTokens(2 * sched.max_running_requests, self.device)
         self.runner = ModelRunner(config, model, self.kv_memory, self.kv_memory.pools[0], future_tokens)
