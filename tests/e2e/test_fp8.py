@@ -141,7 +141,8 @@ def fp8_checkpoint(tmp_path_factory):
         if name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS:
             q, scale_inv = quantize_like_qwen3_fp8(t)
             fp8_tensors[name], fp8_tensors[name.removesuffix("weight") + "weight_scale_inv"] = q, scale_inv
-            twin[name] = q.float() * scale_inv.repeat_interleave(128, 0)[:t.shape[0]].repeat_interleave(128, 1)[:, :t.shape[1]]
+            full = scale_inv.repeat_interleave(128, 0)[:t.shape[0]].repeat_interleave(128, 1)[:, :t.shape[1]]
+            twin[name] = q.float() * full
         else:
             fp8_tensors[name] = twin[name] = t
     config = json.loads((src / "config.json").read_text())

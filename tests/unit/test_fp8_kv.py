@@ -91,8 +91,11 @@ def test_triton_store_writes_what_torch_stores(dtype):
     k_buf = torch.zeros(SLOTS, KV_HEADS, HEAD_DIM, dtype=dtype)
     v_buf = torch.zeros_like(k_buf)
     store_kv(k, v, k_buf, v_buf, slots, 0.6, 0.013)
-    assert torch.equal(k_buf[slots].view(torch.uint8), to_pool(k, dtype, 0.6).view(-1, KV_HEADS, HEAD_DIM).view(torch.uint8))
-    assert torch.equal(v_buf[slots].view(torch.uint8), to_pool(v, dtype, 0.013).view(-1, KV_HEADS, HEAD_DIM).view(torch.uint8))
+
+    def same_bytes(buf, values, scale):
+        return torch.equal(buf[slots].flatten(1).view(torch.uint8), to_pool(values, dtype, scale).view(torch.uint8))
+
+    assert same_bytes(k_buf, k, 0.6) and same_bytes(v_buf, v, 0.013)
 
 
 def _filled_pools(dtype: torch.dtype, k_scale: float, v_scale: float, gen: torch.Generator) -> KVPools:
