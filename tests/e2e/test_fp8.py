@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,22 +23,25 @@ from tests.tiny_models import make_tiny_model
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-def run_recording(model: str, prompts: list[list[int]], **options) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy tokens of every prompt, and each request's logits per generated token ([steps, vocab])."""
-    with Engine(model=model, device="cpu", dtype="float32", disable_overlap_schedule=True, **options) as engine:
+def run_recording(model: str, prompts: list[list[int]], device: str = "cpu", dtype: str = "float32",
+                  check: Callable[[Engine], None] = lambda engine: None,
+                  **options) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens of every prompt, and each request's float32 logits per generated token ([steps,
+    vocab], on the host); `check(engine)` runs before the engine shuts down."""
+    with Engine(model=model, device=device, dtype=dtype, disable_overlap_schedule=True, **options) as engine:
         per_req: dict[str, list[torch.Tensor]] = {}
         forward = engine.runner.forward
 
         def recording(batch):
             out = forward(batch)
-            rows = engine.scheduler.sampling_rows(batch)
-            for row in rows:
-                per_req.setdefault(batch.reqs[row].rid, []).append(out.logits[row].clone())
+            for row in engine.scheduler.sampling_rows(batch):
+                per_req.setdefault(batch.reqs[row].rid, []).append(out.logits[row].float().cpu())
             return out
 
         engine.runner.forward = recording
         outs = engine.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
         assert_pool_full(engine)
+        check(engine)
     return [o.token_ids for o in outs], [torch.stack(per_req[o.meta["id"]]) for o in outs]
 
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel import Engine, SamplingParams
+from kestrel import Engine
 from kestrel.layers.fp8_linear import fp8_linear_reference
 from kestrel.quant.fp8 import quantize_blocks
 from kestrel.quant.kv import to_pool
-from tests.e2e.conftest import assert_pool_full
 from tests.e2e.test_engine import prompts_with_shared_prefixes
-from tests.e2e.test_fp8 import compared_logits, relative_rms
+from tests.e2e.test_fp8 import compared_logits, relative_rms, run_recording
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
@@ -47,24 +46,12 @@ def test_triton_fp8_gemm_matches_its_reference(m, k, n):
     torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0)
 
 
-def _recorded(model: str, prompts: list[list[int]], **options):
-    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    with Engine(model=model, device="cuda", dtype="bfloat16", max_total_tokens=8192, disable_overlap_schedule=True,
-                **options) as engine:
-        per_req: dict[str, list[torch.Tensor]] = {}
-        forward = engine.runner.forward
+def _recorded(model: str, prompts: list[list[int]], graphs: bool, **options):
+    def check(engine: Engine) -> None:
+        assert bool(engine.runner.cuda_graphs) == graphs
 
-        def recording(batch):
-            out = forward(batch)
-            for row in engine.scheduler.sampling_rows(batch):
-                per_req.setdefault(batch.reqs[row].rid, []).append(out.logits[row].float().cpu())
-            return out
-
-        engine.runner.forward = recording
-        outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
-        assert_pool_full(engine)
-        graphs = bool(engine.runner.cuda_graphs)
-    return [o.token_ids for o in outs], [torch.stack(per_req[o.meta["id"]]) for o in outs], graphs
+    return run_recording(model, prompts, device="cuda", dtype="bfloat16", check=check, max_total_tokens=8192,
+                         **options)
 
 
 def test_engine_fp8_kv_and_weights_under_cuda_graphs_stay_close_to_bf16(tmp_path):
@@ -73,15 +60,12 @@ def test_engine_fp8_kv_and_weights_under_cuda_graphs_stay_close_to_bf16(tmp_path
     model = str(make_tiny_model("qwen3", tmp_path, hidden_size=256, intermediate_size=512, num_attention_heads=8,
                                 num_key_value_heads=4, head_dim=32))
     prompts = prompts_with_shared_prefixes(8, seed=7)
-    base = _recorded(model, prompts, attention_backend="triton")
-    assert base[2]
+    base = _recorded(model, prompts, True, attention_backend="triton")
     for options, bound in (({"kv_cache_dtype": "fp8_e4m3"}, 0.07), ({"quantization": "fp8"}, 0.15),
                            ({"kv_cache_dtype": "fp8_e4m3", "quantization": "fp8"}, 0.17)):
-        run = _recorded(model, prompts, attention_backend="triton", **options)
-        assert run[2]
-        a, b, _ = compared_logits(base[:2], run[:2])
+        a, b, _ = compared_logits(base, _recorded(model, prompts, True, attention_backend="triton", **options))
         assert relative_rms(a, b) < bound, options
-    native = _recorded(model, prompts, attention_backend="torch_native", kv_cache_dtype="fp8_e4m3")
-    triton = _recorded(model, prompts, attention_backend="triton", kv_cache_dtype="fp8_e4m3")
-    a, b, _ = compared_logits(native[:2], triton[:2])
+    native = _recorded(model, prompts, False, attention_backend="torch_native", kv_cache_dtype="fp8_e4m3")
+    on_triton = _recorded(model, prompts, True, attention_backend="triton", kv_cache_dtype="fp8_e4m3")
+    a, b, _ = compared_logits(native, on_triton)
     assert relative_rms(a, b) < 0.02  # bf16 rounding apart, the same FP8 cache
