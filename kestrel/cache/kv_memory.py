@@ -19,7 +19,8 @@ from kestrel.config import CacheConfig
 
 
 class LayerKV(SimpleNamespace):
-    """One layer's KV tensors by buffer name (`layer.k`, `layer.v` for full attention)."""
+    """One layer's KV tensors by buffer name (`layer.k`, `layer.v` for full attention), and each
+    buffer's scale as `<name>_scale` (`layer.k_scale`: a float, what an FP8 entry is multiplied by)."""
 
 
 class KVPools:
@@ -37,6 +38,7 @@ class KVPools:
                 kv = self._layers.setdefault(layer, LayerKV())
                 for buf in group.buffers:
                     setattr(kv, buf.name, torch.zeros((entries, *buf.shape), dtype=buf.dtype, device=device))
+                    setattr(kv, f"{buf.name}_scale", buf.scale)
 
     def layer(self, layer_id: int) -> LayerKV:
         return self._layers[layer_id]

@@ -25,6 +25,7 @@ from kestrel.engine.sampler import PendingSample, Sampler, SamplingBatch
 from kestrel.engine.scheduler import Scheduler
 from kestrel.engine.tokenizer import eos_token_ids, load_tokenizer
 from kestrel.models.loader import load_model
+from kestrel.quant.kv import kv_cache_dtype
 from kestrel.runner.future_tokens import FutureTokens
 from kestrel.runner.model_runner import ModelRunner, layer_kernels, triton_on_device
 from kestrel.spec.draft_model import load_draft
@@ -70,7 +71,7 @@ class Engine:
         self.device = torch.device(config.device)
         dtype = getattr(torch, config.model.dtype)
         model = load_model(config.model.model, dtype, self.device, layer_kernels(config), config.model.load_format,
-                           config.model.hf_config)
+                           config.model.hf_config, config.model.quantization)
         self.vocab_size = model.config.vocab_size
         draft = None
         if spec.speculative_algorithm in DRAFT_MODEL_ALGORITHMS:
@@ -78,7 +79,9 @@ class Engine:
 
         # ---- KV memory: the engine's, shaped by the model (and its draft) -------------------------
         sched = config.scheduler
-        layouts = [model.kv_layout(dtype)] + ([draft.kv_layout] if draft is not None else [])
+        # The draft's KV stays in the model dtype: a draft head's pool is small, and FP8 there would cost acceptance.
+        layouts = [model.kv_layout(kv_cache_dtype(config.cache.kv_cache_dtype, dtype))] + \
+            ([draft.kv_layout] if draft is not None else [])
         if layouts[0].prefix_cache_unsupported and not config.cache.disable_radix_cache:
             logger.warning("prefix caching is off for this model: %s", layouts[0].prefix_cache_unsupported)
             config = self.config = dataclasses.replace(
@@ -89,8 +92,8 @@ class Engine:
                                   config.model.context_length, self.device, step_slack=slack,
                                   draft_scratch=DraftWorker.scratch_slots(config) if draft is not None else 0)
         alloc = self.kv_memory.allocator
-        logger.info("KV pool: %d tokens (%.2f GiB), page size %d", alloc.size,
-                    alloc.size * self.kv_memory.bytes_per_token / 2**30, alloc.page_size)
+        logger.info("KV pool: %d tokens (%.2f GiB, %s), page size %d", alloc.size,
+                    alloc.size * self.kv_memory.bytes_per_token / 2**30, config.cache.kv_cache_dtype, alloc.page_size)
         # Every sampled request holds a req_to_token row, so a step samples at most max_running_requests.
         future_tokens = FutureTokens(2 * sched.max_running_requests, self.device)
         self.runner = ModelRunner(config, model, self.kv_memory, self.kv_memory.pools[0], future_tokens)
