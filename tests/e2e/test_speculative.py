@@ -221,3 +221,18 @@ def test_server_reports_accept_lengths_in_meta_and_metrics(models):
             assert metric(samples, "kestrel:spec_accept_length_per_round_count", model_name="spec") == 2
     finally:
         server.stop()
+
+
+def test_speculation_stops_above_the_disable_batch_size_and_resumes_below(models):
+    """Eight requests with speculation off above three running: plain decode steps first (the draft
+    still extends over their tokens), verify rounds once requests finish; tokens unchanged."""
+    params = [SamplingParams(max_new_tokens=6 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(8)]
+    with Engine(model=models["target"], **COMMON) as plain:
+        want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts(), sampling_params=params)]
+    with spec_engine(models, "EAGLE", CHAIN, speculative_disable_batch_size=3) as engine:
+        modes = []
+        engine.add_step_hook(lambda info: modes.append((info.mode, info.num_reqs)))
+        assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts(), sampling_params=params)] == want
+        assert ("decode", 8) in modes and all(n <= 3 for mode, n in modes if mode == "target_verify")
+        assert any(mode == "target_verify" for mode, _ in modes)
+        assert_pool_full(engine)
