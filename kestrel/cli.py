@@ -16,6 +16,9 @@ HELP = {
     "dtype": "auto, float32, float16 or bfloat16",
     "max_total_tokens": "KV pool size in tokens (default: from GPU memory; 32768 on CPU)",
     "chunked_prefill_size": "prefill tokens per step; -1 disables chunking",
+    "kv_cache_dtype": "auto (the model dtype), fp8_e4m3 or fp8_e5m2: the KV cache in FP8, half the bytes of bf16",
+    "quantization": "fp8: linear weights in FP8 (block-scaled e4m3; a float checkpoint is quantized at load). "
+                    "Default: what the checkpoint holds",
     "attention_backend": "attention backend for both phases (e.g. torch_native)",
     "speculative_algorithm": "EAGLE, EAGLE3, NEXTN, STANDALONE or NGRAM (as SGLang spells them)",
     "speculative_draft_model_path": "the draft: an EAGLE/EAGLE-3 head or a small LM folder, or a bundled name "

@@ -22,6 +22,9 @@ class ModelConfig:
     dtype: str = "auto"
     load_format: str = "auto"
     context_length: int | None = None  # defaults to the checkpoint's max_position_embeddings
+    # Linear weights in FP8 ("fp8": block-scaled e4m3, activations per token); unset: what the checkpoint
+    # holds (an FP8 checkpoint loads as fp8). kestrel.quant.resolve checks it.
+    quantization: str | None = None
     # config.json as read once by resolve(); everything after reads this copy.
     hf_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
@@ -32,6 +35,7 @@ class CacheConfig:
     max_total_tokens: int | None = None  # KV pool size in tokens; on CUDA derived from memory if unset
     mem_fraction_static: float | None = None  # share of GPU memory for weights + KV pool
     disable_radix_cache: bool = False
+    kv_cache_dtype: str = "auto"  # auto (the model dtype), fp8_e4m3 or fp8_e5m2 (kestrel.quant.kv)
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,7 @@ class EngineConfig:
         from kestrel.assets import resolve_model_path
         from kestrel.attention.decisions import extend_prefix_reuse, library_requirements
         from kestrel.attention.registry import attention_backends
+        from kestrel.quant.resolve import resolve_quantization
         from kestrel.spec.draft_backends import draft_backend_plan
         from kestrel.spec.resolve import resolve_speculative
 
@@ -174,6 +179,7 @@ class EngineConfig:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={device!r} but CUDA is not available; use device='cpu'")
         on_gpu = device != "cpu"
+        quantization = resolve_quantization(self.model.quantization, self.cache.kv_cache_dtype, hf, device)
 
         dtype = self.model.dtype
         if dtype not in DTYPES:
@@ -222,7 +228,7 @@ class EngineConfig:
         out = dataclasses.replace(
             self, device=device, cache=cache, scheduler=scheduler, speculative=speculative,
             model=dataclasses.replace(self.model, model=model_path, dtype=dtype, context_length=context_length,
-                                      hf_config=hf),
+                                      quantization=quantization, hf_config=hf),
             resolved=True)
         attention_backends(out)  # unknown or unavailable backends fail here, at start-up
         draft_backend_plan(out)  # so do draft backends that cannot serve a draft mode

@@ -8,6 +8,7 @@ from kestrel.cache.kv_memory import KVPools
 from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.layers.attention import AttentionLayer
+from kestrel.quant.kv import from_pool, to_pool
 
 
 class TorchNativeBackend:
@@ -24,8 +25,8 @@ class TorchNativeBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                 batch: ForwardBatch) -> torch.Tensor:
         kv = self.pools.layer(layer.layer_id)
-        kv.k[batch.out_cache_loc] = k.view(-1, layer.num_kv_heads, layer.head_dim).to(kv.k.dtype)
-        kv.v[batch.out_cache_loc] = v.view(-1, layer.num_kv_heads, layer.head_dim).to(kv.v.dtype)
+        kv.k[batch.out_cache_loc] = to_pool(k.view(-1, layer.num_kv_heads, layer.head_dim), kv.k.dtype, kv.k_scale)
+        kv.v[batch.out_cache_loc] = to_pool(v.view(-1, layer.num_kv_heads, layer.head_dim), kv.v.dtype, kv.v_scale)
         q = q.view(-1, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
         group = layer.num_heads // layer.num_kv_heads
@@ -35,8 +36,8 @@ class TorchNativeBackend:
             slots = self.req_to_token.table[batch.req_pool_indices[i], :seq]
             # [heads, tokens, head_dim]; K/V repeated so each query head meets its KV head.
             qi = q[start:start + extend].transpose(0, 1)
-            ki = kv.k[slots].transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
-            vi = kv.v[slots].transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+            ki = from_pool(kv.k[slots], q.dtype, kv.k_scale).transpose(0, 1).repeat_interleave(group, dim=0)
+            vi = from_pool(kv.v[slots], q.dtype, kv.v_scale).transpose(0, 1).repeat_interleave(group, dim=0)
             mask = _mask(prefix, extend, seq, layer.sliding_window, q.device)
             if batch.tree_mask is not None:
                 tree = batch.tree_mask[batch.tree_mask_starts[i]:][:extend * extend].view(extend, extend)

@@ -26,11 +26,13 @@ class Indexing(enum.Enum):
 
 @dataclass(frozen=True)
 class KVBuffer:
-    """One tensor per layer of a group: `shape` is one entry's (TOKEN, BLOCK) or one request's (REQUEST)."""
+    """One tensor per layer of a group: `shape` is one entry's (TOKEN, BLOCK) or one request's (REQUEST).
+    An FP8 buffer stores value / `scale` (kestrel.quant.kv)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    scale: float = 1.0
 
     @property
     def nbytes(self) -> int:
@@ -80,7 +82,8 @@ class KVLayout:
 
     @classmethod
     def full_attention(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> "KVLayout":
-        """K and V per KV head for every token of every layer (the Llama family)."""
+        """K and V per KV head for every token of every layer (the Llama family); `dtype` is the pool's
+        (the model's, or an FP8 type for `--kv-cache-dtype fp8_*`)."""
         entry = (num_kv_heads, head_dim)
         return cls((KVGroup("full", tuple(range(num_layers)), Indexing.TOKEN,
                             (KVBuffer("k", entry, dtype), KVBuffer("v", entry, dtype))),))

@@ -19,7 +19,8 @@ from kestrel.config import CacheConfig
 
 
 class LayerKV(SimpleNamespace):
-    """One layer's KV tensors by buffer name (`layer.k`, `layer.v` for full attention)."""
+    """One layer's KV tensors by buffer name (`layer.k`, `layer.v` for full attention), and each
+    buffer's scale as `<name>_scale` (`layer.k_scale`: a float, what an FP8 entry is multiplied by)."""
 
 
 class KVPools:
@@ -37,6 +38,7 @@ class KVPools:
                 kv = self._layers.setdefault(layer, LayerKV())
                 for buf in group.buffers:
                     setattr(kv, buf.name, torch.zeros((entries, *buf.shape), dtype=buf.dtype, device=device))
+                    setattr(kv, f"{buf.name}_scale", buf.scale)
 
     def layer(self, layer_id: int) -> LayerKV:
         return self._layers[layer_id]
@@ -53,7 +55,7 @@ class KVMemory:
     model's), all over the same slot space of `size` tokens (rounded down to pages)."""
 
     def __init__(self, layouts: list[KVLayout], size: int, page_size: int, max_requests: int, max_context: int,
-                 device: torch.device | str, step_slack: int = 0) -> None:
+                 device: torch.device | str, step_slack: int = 0, draft_scratch: int = 0) -> None:
         multiple = math.lcm(*(layout.page_multiple for layout in layouts))
         if page_size % multiple:
             raise ValueError(f"page_size {page_size} must be a multiple of {multiple} for this model's "
@@ -66,7 +68,11 @@ class KVMemory:
         # `step_slack`: positions a multi-token step may score past the last one kept (a verify tree's
         # nodes beyond the context); they get slots for that step only.
         self.req_to_token = ReqToTokenPool(max_requests, self.max_req_len + 1 + step_slack, self.device)
-        self.pools = [KVPools(layout, num_slots, max_requests + 1, self.device) for layout in layouts]
+        # `draft_scratch`: slots past the slot space that only the draft pools have (the allocator never
+        # hands them out): a speculative round's draft lanes write their throw-away KV there.
+        self.scratch_base = num_slots
+        self.pools = [KVPools(layout, num_slots + (draft_scratch if i else 0), max_requests + 1, self.device)
+                      for i, layout in enumerate(layouts)]
         self.bytes_per_token = sum(layout.bytes_per_token for layout in layouts)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -50,6 +50,22 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     grammar: Any = None  # kestrel.engine.grammar.GrammarState when params has a grammar
+    spec_accept_counts: dict[int, int] = field(default_factory=dict)  # verify rounds by tokens committed
+
+    @property
+    def spec_rounds(self) -> int:
+        return sum(self.spec_accept_counts.values())
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Mean tokens committed per verify round (accepted drafts + the bonus)."""
+        return sum(k * n for k, n in self.spec_accept_counts.items()) / max(1, self.spec_rounds)
+
+    @property
+    def spec_accept_histogram(self) -> list[int]:
+        """Entry k: verify rounds that committed k tokens."""
+        top = max(self.spec_accept_counts, default=0)
+        return [self.spec_accept_counts.get(k, 0) for k in range(top + 1)]
 
     @property
     def fill_ids(self) -> list[int]:

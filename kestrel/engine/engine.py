@@ -26,8 +26,13 @@ from kestrel.engine.sampler import PendingSample, Sampler, SamplingBatch
 from kestrel.engine.scheduler import Scheduler
 from kestrel.engine.tokenizer import eos_token_ids, load_tokenizer
 from kestrel.models.loader import load_model
+from kestrel.quant.kv import kv_cache_dtype
 from kestrel.runner.future_tokens import FutureTokens
 from kestrel.runner.model_runner import ModelRunner, layer_kernels, triton_on_device
+from kestrel.spec.draft_model import load_draft
+from kestrel.spec.draft_worker import DraftWorker
+from kestrel.spec.ngram_worker import NgramWorker
+from kestrel.spec.resolve import DRAFT_MODEL_ALGORITHMS
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +61,9 @@ class Engine:
             raise TypeError("pass either config or model/engine options, not both")
         self.config = config = config.resolve()
         spec = config.speculative
-        if spec.speculative_algorithm not in (None, "NGRAM"):
-            raise ValueError(f"speculative decoding with {spec.speculative_algorithm} is not wired into the engine "
-                             "yet (NGRAM is); unset speculative_algorithm")
+        if spec.speculative_algorithm == "NEXTN":
+            raise ValueError("speculative decoding with NEXTN (the model's MTP layers) is not wired into the engine "
+                             "yet; EAGLE, EAGLE3, STANDALONE and NGRAM are")
         if logger.isEnabledFor(logging.DEBUG):
             from kestrel.attention.explain import explain_plan
 
@@ -72,12 +77,17 @@ class Engine:
         self.device = torch.device(config.device)
         dtype = getattr(torch, config.model.dtype)
         model = load_model(config.model.model, dtype, self.device, layer_kernels(config), config.model.load_format,
-                           config.model.hf_config)
+                           config.model.hf_config, config.model.quantization)
         self.vocab_size = model.config.vocab_size
+        draft = None
+        if spec.speculative_algorithm in DRAFT_MODEL_ALGORITHMS:
+            draft = load_draft(config, model, dtype, self.device, layer_kernels(config))
 
-        # ---- KV memory: the engine's, shaped by the model ----------------------------------------
+        # ---- KV memory: the engine's, shaped by the model (and its draft) -------------------------
         sched = config.scheduler
-        layouts = [model.kv_layout(dtype)]
+        # The draft's KV stays in the model dtype: a draft head's pool is small, and FP8 there would cost acceptance.
+        layouts = [model.kv_layout(kv_cache_dtype(config.cache.kv_cache_dtype, dtype))] + \
+            ([draft.kv_layout] if draft is not None else [])
         if layouts[0].prefix_cache_unsupported and not config.cache.disable_radix_cache:
             logger.warning("prefix caching is off for this model: %s", layouts[0].prefix_cache_unsupported)
             config = self.config = dataclasses.replace(
@@ -85,10 +95,11 @@ class Engine:
         size = pool_size(config.cache, layouts, sched.max_running_requests, self.device)
         slack = (spec.speculative_num_draft_tokens or 1) - 1 if spec.speculative_algorithm else 0
         self.kv_memory = KVMemory(layouts, size, config.cache.page_size, sched.max_running_requests,
-                                  config.model.context_length, self.device, step_slack=slack)
+                                  config.model.context_length, self.device, step_slack=slack,
+                                  draft_scratch=DraftWorker.scratch_slots(config) if draft is not None else 0)
         alloc = self.kv_memory.allocator
-        logger.info("KV pool: %d tokens (%.2f GiB), page size %d", alloc.size,
-                    alloc.size * self.kv_memory.bytes_per_token / 2**30, alloc.page_size)
+        logger.info("KV pool: %d tokens (%.2f GiB, %s), page size %d", alloc.size,
+                    alloc.size * self.kv_memory.bytes_per_token / 2**30, config.cache.kv_cache_dtype, alloc.page_size)
         # Every sampled request holds a req_to_token row, so a step samples at most max_running_requests.
         future_tokens = FutureTokens(2 * sched.max_running_requests, self.device)
         self.runner = ModelRunner(config, model, self.kv_memory, self.kv_memory.pools[0], future_tokens)
@@ -96,7 +107,8 @@ class Engine:
         # ---- scheduling and sampling -------------------------------------------------------
         self.radix = RadixCache(alloc, config.cache.page_size, disabled=config.cache.disable_radix_cache)
         self.scheduler = Scheduler(sched, alloc, self.radix, self.kv_memory.req_to_token, self.eos_token_ids,
-                                   self.kv_memory.max_req_len)
+                                   self.kv_memory.max_req_len,
+                                   recompute_last_match=draft is not None and draft.uses_features)
         self.sampler = Sampler(triton_argmax=triton_on_device(config))
         self._seed_rng = random.Random(sched.random_seed)
         self._arrivals = itertools.count()
@@ -106,12 +118,15 @@ class Engine:
         self._inflight: _Launched | None = None  # launched batch whose sampled tokens are not applied yet
         self._step_hooks: list[Callable[[StepInfo], None]] = []
         self.grammars: GrammarBackend | None = None  # made by the first request with a grammar
-        self.spec_worker = None
+        self.spec_worker: NgramWorker | DraftWorker | None = None
         if spec.speculative_algorithm == "NGRAM":
-            from kestrel.spec.ngram_worker import NgramWorker
-
             self.spec_worker = NgramWorker(self.scheduler, self.runner, spec.speculative_num_steps,
-                                           spec.speculative_eagle_topk, spec.speculative_num_draft_tokens)
+                                           spec.speculative_eagle_topk, spec.speculative_num_draft_tokens,
+                                           self.eos_token_ids)
+        elif draft is not None:
+            self.spec_worker = DraftWorker(config, self.scheduler, self.runner, draft, self.kv_memory, future_tokens,
+                                           self.eos_token_ids)
+        self.draft_worker = self.spec_worker if draft is not None else None
 
     @property
     def max_req_len(self) -> int:
@@ -124,12 +139,13 @@ class Engine:
         """Validate and queue one request; returns its id. Raises ValueError on bad input."""
         params = sampling_params or SamplingParams()
         params.validate(self.vocab_size)
-        if self.spec_worker is not None and (params.temperature != 0 or params.has_penalties or params.logprobs
-                                             is not None or params.min_new_tokens or params.stop_strs
+        if self.spec_worker is not None and (params.has_penalties or params.min_new_tokens
                                              or params.grammar is not None):
-            raise ValueError("with speculative decoding this engine serves greedy requests only (temperature 0; "
-                             "no penalties, logprobs, min_new_tokens, stop strings or grammars (json_schema, "
-                             "regex, ebnf, structural_tag) yet)")
+            # All three change the target's distribution per node by the tokens before it, which differ
+            # along the draft tree; not applied there yet.
+            raise ValueError("with speculative decoding, repetition/frequency/presence penalties, min_new_tokens "
+                             "and grammars (json_schema, regex, ebnf, structural_tag) are not supported; unset "
+                             "them or serve without speculative_algorithm")
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt (text) or prompt_token_ids")
         if prompt is not None:
@@ -213,10 +229,10 @@ class Engine:
         try:
             if self._inflight is not None and not self._can_overlap():
                 done += self._resolve()
-            batch = self.scheduler.schedule(self.spec_worker.num_draft if self.spec_worker else 1)
+            batch = self.scheduler.schedule(self._decode_tokens())
             launched = None
             if batch is not None and batch.mode is ForwardMode.TARGET_VERIFY:
-                done += self.spec_worker.verify(batch, self.max_req_len)  # resolved in the round itself
+                done += self._verify(batch)  # resolved in the round itself
             elif batch is not None:
                 launched = self._launch(batch)
             if self._inflight is not None:
@@ -274,22 +290,37 @@ class Engine:
         return not self.config.scheduler.disable_overlap_schedule and self.spec_worker is None and \
             not any(r.params.has_penalties for r in self.scheduler.running)
 
+    def _decode_tokens(self) -> int:
+        """New positions per running request in the next decode step: a verify tree while speculating,
+        1 above the batch size where speculation stops paying (`speculative_disable_batch_size`)."""
+        spec = self.config.speculative
+        if self.spec_worker is None or len(self.scheduler.running) > spec.speculative_disable_batch_size:
+            return 1
+        return self.spec_worker.num_draft
+
     def _launch(self, batch: ScheduledBatch) -> "_Launched | None":
         """Forward and sample on the device, then commit the batch; nothing here waits for the device.
-        Grammar rows whose previous token is still in flight leave the sampling to `step`."""
-        logits = self.runner.forward(batch).logits
+        With a draft model, the draft's DRAFT_EXTEND over the same positions follows. Grammar rows whose
+        previous token is still in flight leave the sampling to `step` (no draft model then: speculative
+        decoding refuses grammars)."""
+        if self.draft_worker is not None:
+            batch.capture_hidden = self.draft_worker.target_capture
+        out = self.runner.forward(batch)
         rows = self.scheduler.sampling_rows(batch)
         sampled = [batch.reqs[i] for i in rows]
-        if not sampled:
-            self.scheduler.commit(batch, [], [])
-            return None
-        sampling = SamplingBatch.from_requests(sampled, self.vocab_size, self.eos_token_ids, self.device)
-        launched = _Launched(sampled, [], None, logits if len(rows) == len(batch.reqs) else logits[rows], sampling)
-        if self._inflight is not None and any(r.grammar is not None for r in sampled):
-            launched.futures = self.runner.future_tokens.reserve(len(sampled))
-        else:
-            self._sample(launched)
-        self.scheduler.commit(batch, sampled, [[f] for f in launched.futures])
+        launched = None
+        if sampled:
+            sampling = SamplingBatch.from_requests(sampled, self.vocab_size, self.eos_token_ids, self.device)
+            launched = _Launched(sampled, [], None, out.logits if len(rows) == len(batch.reqs) else out.logits[rows],
+                                 sampling)
+            if self._inflight is not None and any(r.grammar is not None for r in sampled):
+                launched.futures = self.runner.future_tokens.reserve(len(sampled))
+            else:
+                self._sample(launched)
+        futures = launched.futures if launched is not None else []
+        self.scheduler.commit(batch, sampled, [[f] for f in futures])
+        if self.draft_worker is not None:
+            self.draft_worker.extend_after(batch, out, rows, futures)
         return launched
 
     def _sample(self, launched: _Launched) -> None:
@@ -307,6 +338,25 @@ class Engine:
             launched.futures = self.runner.future_tokens.put(pending.token_ids)
         launched.sample, launched.logits, launched.sampling = pending, None, None
 
+    def _verify(self, batch: ScheduledBatch) -> list[Request]:
+        """A speculative round: its committed tokens (and their logprobs) join the requests at once."""
+        before = [len(r.output_ids) for r in batch.reqs]
+        verified = self.spec_worker.verify(batch)
+        got = set(map(id, self.scheduler.resolve(batch.reqs, verified.tokens)))
+        done = []
+        for req, start, count, logprobs, top in zip(batch.reqs, before, verified.counts, verified.logprobs,
+                                                    verified.top_logprobs):
+            req.spec_accept_counts[count] = req.spec_accept_counts.get(count, 0) + 1
+            if id(req) not in got:
+                continue
+            done.append(req)
+            if logprobs is not None:
+                new = len(req.output_ids) - start
+                req.output_logprobs += logprobs[:new]
+                req.output_top_logprobs += top[:new]
+            self._check_stop_strings(req, start)
+        return done
+
     def _resolve(self) -> list[Request]:
         """Wait for the in-flight batch's tokens and apply them."""
         launched, self._inflight = self._inflight, None
@@ -322,7 +372,7 @@ class Engine:
                 req.output_logprobs.append(logprob)
                 req.output_top_logprobs.append(top)
             self._advance_grammar(req)
-            self._check_stop_strings(req)
+            self._check_stop_strings(req, len(req.output_ids) - 1)
         return done
 
     def step_deltas(self, touched: Iterable[str] = ()) -> list[tuple[Request, int]]:
@@ -366,16 +416,21 @@ class Engine:
             else:
                 self.scheduler.finish(req, "stop")
 
-    def _check_stop_strings(self, req: Request) -> None:
+    def _check_stop_strings(self, req: Request, start: int) -> None:
+        """Feed the request's new tokens `output_ids[start:]` to its stop-string matcher, one by one; at
+        a match, drop the tokens after it (a speculative round commits several) and finish."""
         text = self._texts.get(req.rid)
         if text is None:
             return
-        _, matched = text.add(req.output_ids[-1:])
-        if matched is not None and len(req.output_ids) >= req.params.min_new_tokens:
-            if req.finished:
-                req.finish_reason, req.matched_stop = "stop", matched
-            else:
-                self.scheduler.finish(req, "stop", matched)
+        for end in range(start + 1, len(req.output_ids) + 1):
+            _, matched = text.add(req.output_ids[end - 1:end])
+            if matched is not None and end >= req.params.min_new_tokens:
+                del req.output_ids[end:], req.output_logprobs[end:], req.output_top_logprobs[end:]
+                if req.finished:
+                    req.finish_reason, req.matched_stop = "stop", matched
+                else:
+                    self.scheduler.finish(req, "stop", matched)
+                return
 
     def generate(self, prompts: str | list[str] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -429,6 +484,9 @@ class Engine:
         if req.params.logprobs is not None:
             meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids))
             meta["output_top_logprobs"] = req.output_top_logprobs
+        if req.spec_accept_counts:
+            meta.update(spec_verify_ct=req.spec_rounds, spec_accept_length=req.spec_accept_length,
+                        spec_accept_histogram=req.spec_accept_histogram)
         return RequestOutput(text=text, token_ids=list(req.output_ids), meta=meta, finished=req.finished)
 
     # ---- lifecycle -----------------------------------------------------------------------------

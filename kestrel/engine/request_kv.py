@@ -17,7 +17,9 @@ from kestrel.core.request import Request, RequestStatus
 
 
 class RequestKV:
-    def __init__(self, allocator: TokenToKVPoolAllocator, radix: RadixCache, req_to_token: ReqToTokenPool) -> None:
+    def __init__(self, allocator: TokenToKVPoolAllocator, radix: RadixCache, req_to_token: ReqToTokenPool,
+                 recompute_last_match: bool = False) -> None:
+        self.recompute_last_match = recompute_last_match
         self.allocator = allocator
         self.radix = radix
         self.req_to_token = req_to_token
@@ -34,8 +36,13 @@ class RequestKV:
     # ---- admission ------------------------------------------------------------------------------
     def match(self, req: Request) -> torch.Tensor:
         """Lock the longest cached prefix of req (at most len - 1 tokens: the last one must run to give
-        the next token's logits); returns its slots."""
+        the next token's logits); returns its slots.
+
+        With `recompute_last_match` (a feature draft, whose KV at position p depends on token p + 1, which
+        the cached prefix does not fix for its last token) the last matched token is recomputed too."""
         slots, node = self.radix.match_prefix(req.fill_ids[:-1])
+        if self.recompute_last_match and len(slots):
+            slots, node = self.radix.match_prefix(req.fill_ids[:len(slots) - 1])
         self.radix.inc_lock_ref(node)
         req.last_node, req.cached_len, req.kv_len = node, len(slots), len(slots)
         return slots

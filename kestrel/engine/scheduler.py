@@ -35,10 +35,11 @@ RETRACT_HEADROOM_STEPS = 20
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: TokenToKVPoolAllocator, radix: RadixCache,
-                 req_to_token: ReqToTokenPool, eos_token_ids: set[int], context_length: int) -> None:
+                 req_to_token: ReqToTokenPool, eos_token_ids: set[int], context_length: int,
+                 recompute_last_match: bool = False) -> None:
         self.config = config
         self.allocator = allocator
-        self.kv = RequestKV(allocator, radix, req_to_token)
+        self.kv = RequestKV(allocator, radix, req_to_token, recompute_last_match)
         self.budget = AdmissionBudget(config, allocator.page_size)
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length

@@ -101,6 +101,8 @@ class LlamaModel(nn.Module):
             if i in batch.capture_hidden:  # the residual stream entering layer i (EAGLE-3's features)
                 captured[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual, batch)
+        if len(self.layers) in batch.capture_hidden:  # "entering" the end: the last layer's output
+            captured[len(self.layers)] = hidden + residual
         if captured:
             batch.captured_hidden = torch.cat([captured[i] for i in batch.capture_hidden], dim=-1)
         return self.norm(hidden, residual)[0]

@@ -31,8 +31,8 @@ from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import RotaryEmbedding
 from kestrel.models.arch_config import ArchConfig, parse_arch_config
 from kestrel.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-from kestrel.models.loader import (_default_dtype, checkpoint_names, checkpoint_tensor, copy_checkpoint,
-                                   read_config)
+from kestrel.models.loader import (_default_dtype, _fill_random, checkpoint_names, checkpoint_tensor,
+                                   copy_checkpoint, read_config)
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 _EAGLE3_MARKERS = ("midlayer.", "d2t", "layers.0.hidden_norm.")  # tensors only an EAGLE-3 head has
@@ -101,9 +101,16 @@ class EagleHead(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.hidden_states(input_ids, positions, features, batch)
+        return hidden, self.compute_logits(hidden)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
+                      batch: ForwardBatch) -> torch.Tensor:
         x = self.fc(torch.cat([self.target.embed_tokens(input_ids), features], dim=-1))
-        hidden = self.layers[0](positions, x, None, batch)
-        return hidden, self.target.compute_logits(hidden)  # EAGLE has no final norm
+        return self.layers[0](positions, x, None, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target.compute_logits(hidden)  # EAGLE has no final norm
 
 
 class Eagle3Head(nn.Module):
@@ -136,14 +143,21 @@ class Eagle3Head(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.midlayer(positions, features, self.target.embed_tokens(input_ids), batch)
+        hidden = self.hidden_states(input_ids, positions, features, batch)
+        return hidden, self.compute_logits(hidden)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
+                      batch: ForwardBatch) -> torch.Tensor:
+        return self.midlayer(positions, features, self.target.embed_tokens(input_ids), batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         draft_logits = self.lm_head(self.norm(hidden)).float()
         if self.identity_vocab:
-            return hidden, draft_logits
+            return draft_logits
         # Target ids outside the draft vocabulary can never be drafted.
         logits = draft_logits.new_full((draft_logits.shape[0], self.target_vocab_size), float("-inf"))
         logits[:, torch.arange(draft_logits.shape[1], device=logits.device) + self.d2t] = draft_logits
-        return hidden, logits
+        return logits
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
@@ -192,15 +206,16 @@ def eagle3_target_layers(config: dict[str, Any], num_target_layers: int) -> tupl
 
 def load_eagle_head(path: str | Path, algorithm: str, target: TargetParts, num_target_layers: int,
                     max_positions: int, dtype: torch.dtype, device: torch.device | str,
-                    kernels: Kernels = Kernels()) -> EagleHead | Eagle3Head:
-    """Build the head on `device` in `dtype` and fill it from the checkpoint; `algorithm` ("EAGLE" or
-    "EAGLE3") must match what the checkpoint is. `max_positions` is the target's context length."""
+                    kernels: Kernels = Kernels(), load_format: str = "auto") -> EagleHead | Eagle3Head:
+    """Build the head on `device` in `dtype` and fill it from the checkpoint (random weights from a
+    config-only folder with `load_format="dummy"`, for benchmarks); `algorithm` ("EAGLE" or "EAGLE3")
+    must match what the checkpoint is. `max_positions` is the target's context length."""
     variant = detect_eagle_variant(path)
     if variant != algorithm:
         raise ValueError(f"the checkpoint at {path} is a {variant} head, asked to load it as {algorithm}")
     config = read_config(path)
     cfg = parse_arch_config(config)
-    names = set(checkpoint_names(path))
+    names = set(checkpoint_names(path)) if load_format != "dummy" else set()
     with torch.device(device), _default_dtype(dtype):
         if variant == "EAGLE":
             head = EagleHead(cfg, target, fc_bias="fc.bias" in names, max_positions=max_positions, kernels=kernels)
@@ -209,6 +224,12 @@ def load_eagle_head(path: str | Path, algorithm: str, target: TargetParts, num_t
                               draft_vocab_size=config.get("draft_vocab_size") or cfg.vocab_size,
                               target_hidden_layers=eagle3_target_layers(config, num_target_layers),
                               max_positions=max_positions, kernels=kernels)
+    if load_format == "dummy":
+        _fill_random(head)
+        if variant == "EAGLE3":  # the first draft_vocab_size target ids
+            head.d2t.zero_()
+            head.identity_vocab = head.d2t.numel() == head.target_vocab_size
+        return head.eval()
     unused = _UNUSED[variant]
     copy_checkpoint(head, path, f"an {variant} head", skip=lambda name: name in unused,
                     rename=_vllm_to_midlayer if variant == "EAGLE3" else lambda name: name)

@@ -12,6 +12,7 @@ from torch import nn
 
 from kestrel.layers.kernels import Kernels
 from kestrel.models.registry import model_class
+from kestrel.quant.resolve import checkpoint_quantization
 
 # Buffers some checkpoints store that kestrel recomputes (rope frequencies).
 _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -32,7 +33,8 @@ def read_arch_config(model_path: str | Path):
 
 
 def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device | str,
-               kernels: Kernels = Kernels(), load_format: str = "auto", hf_config: dict | None = None) -> nn.Module:
+               kernels: Kernels = Kernels(), load_format: str = "auto", hf_config: dict | None = None,
+               quantization: str | None = None) -> nn.Module:
     """Build the model directly on `device` in `dtype` and fill it from the checkpoint.
 
     Checkpoint names map to parameters by name, except projections the model merges
@@ -42,6 +44,9 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
     `hf_config` is the folder's config.json when the caller has read it already.
     A model class with its own `load_checkpoint` / `fill_dummy` (DeepSeek-V4: other namings, FP8/FP4
     dequantisation) fills itself from the same tensor stream.
+    `quantization="fp8"` runs the decoder's linear layers in FP8 (kestrel.quant.linears): an FP8
+    checkpoint's weights as stored, a float checkpoint's (or dummy weights) quantized after loading;
+    None loads what the checkpoint holds.
     Raises ValueError listing missing or unexpected parameter names.
     """
     if load_format not in ("auto", "dummy"):
@@ -52,12 +57,14 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
     with torch.device(device), _default_dtype(dtype):
         model = cls(cfg, kernels)
     own_loader = hasattr(model, "load_checkpoint")
+    if own_loader and quantization is not None:
+        raise ValueError(f"quantization {quantization!r} is not supported for {cls.__name__}")
     if load_format == "dummy":
         if own_loader:
             model.fill_dummy()
         else:
             _fill_random(model)
-        return model.eval()
+        return _quantized(model, quantization, kernels).eval()
     if own_loader:
         model.load_checkpoint(_checkpoint_tensors(Path(model_path)), str(model_path))
         return model.eval()
@@ -65,8 +72,22 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
     def skip(name: str) -> bool:
         return name.endswith(_HARMLESS_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight")
 
+    stored = checkpoint_quantization(config)
+    if stored is not None:  # the FP8 layers exist before the copy, which fills weights and scales by name
+        from kestrel.quant.linears import use_checkpoint_fp8_linears
+
+        use_checkpoint_fp8_linears(model, checkpoint_names(model_path), kernels.triton_fp8)
     copy_checkpoint(model, model_path, cfg.architecture, skip)
-    return model.eval()
+    return _quantized(model, quantization if stored is None else None, kernels).eval()
+
+
+def _quantized(model: nn.Module, quantization: str | None, kernels: Kernels) -> nn.Module:
+    """The model with its float weights quantized online (`quantization="fp8"`), or as it is."""
+    if quantization is not None:
+        from kestrel.quant.linears import quantize_linears
+
+        quantize_linears(model, kernels.triton_fp8)
+    return model
 
 
 def copy_checkpoint(model: nn.Module, model_path: str | Path, what: str, skip: Callable[[str], bool] = lambda n: False,

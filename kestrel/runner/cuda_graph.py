@@ -13,7 +13,6 @@ import logging
 
 import torch
 
-from kestrel.core.batch import ScheduledBatch
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.core.forward_mode import ForwardMode
 
@@ -27,7 +26,9 @@ def batch_size_buckets(max_bs: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, attn_backend, padding_row: int, max_bs: int, device: torch.device,
-                 mode: ForwardMode = ForwardMode.DECODE, tokens: int = 1, capture_hidden: tuple[int, ...] = ()) -> None:
+                 mode: ForwardMode = ForwardMode.DECODE, tokens: int = 1, capture_hidden: tuple[int, ...] = (),
+                 features: tuple[int, torch.dtype] | None = None) -> None:
+        """`features`: (width, dtype) of a draft head's feature input, kept in a static buffer too."""
         self.model = model
         self.attn_backend = attn_backend
         self.buckets = batch_size_buckets(max_bs)
@@ -46,6 +47,7 @@ class CudaGraphRunner:
         self.extend_lens = torch.full((max_bs,), tokens, dtype=torch.int64, device=device)
         self.tree_starts = torch.arange(max_bs, device=device) * tokens * tokens
         self.logits_indices = torch.arange(n, device=device)
+        self.features = None if features is None else torch.zeros(n, features[0], dtype=features[1], device=device)
         self.padding_row = padding_row
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
@@ -66,7 +68,8 @@ class CudaGraphRunner:
             logits_indices=self.logits_indices[:n], attn_backend=self.attn_backend,
             tree_mask=self.tree_mask[:n * t] if self.tree_mask is not None else None,
             tree_mask_starts=self.tree_starts[:bs] if t > 1 else None,
-            capture_hidden=self.capture_hidden)
+            capture_hidden=self.capture_hidden,
+            spec_features=self.features[:n] if self.features is not None else None)
 
     def _run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         self.attn_backend.init_forward_metadata(batch)
@@ -89,11 +92,13 @@ class CudaGraphRunner:
         logger.info("captured CUDA graphs for %s batches of %d token(s) per request, batch sizes %s",
                     self.mode.value, self.tokens, self.buckets)
 
-    def can_run(self, batch: ForwardBatch, scheduled: ScheduledBatch) -> bool:
-        t = self.tokens
-        return (batch.forward_mode is self.mode and batch.batch_size <= self.max_bs
+    def can_run(self, batch: ForwardBatch) -> bool:
+        t, n = self.tokens, batch.input_ids.shape[0]
+        return (batch.forward_mode is self.mode and batch.batch_size <= self.max_bs and n == batch.batch_size * t
                 and batch.capture_hidden == self.capture_hidden
-                and scheduled.logits_at_all_tokens == (t > 1) and all(e == t for e in scheduled.extend_lens))
+                and (batch.spec_features is None) == (self.features is None)
+                and batch.logits_indices.shape[0] == n
+                and (batch.extend_lens_cpu is None or all(e == t for e in batch.extend_lens_cpu)))
 
     def replay(self, batch: ForwardBatch):
         """The ForwardOutput of an eager-built batch that `can_run`."""
@@ -108,6 +113,8 @@ class CudaGraphRunner:
         self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
         self.seq_lens[:bs].copy_(batch.seq_lens)
         self.prefix_lens[:bs].copy_(batch.prefix_lens)
+        if self.features is not None:
+            self.features[:n].copy_(batch.spec_features)
         if self.tree_mask is not None:
             self.tree_mask[:n * t].copy_(batch.tree_mask if batch.tree_mask is not None else self.causal.repeat(bs))
         if bucket > bs:  # padding: reserved row, slot 0, one page of length t
@@ -119,4 +126,5 @@ class CudaGraphRunner:
             self.prefix_lens[bs:bucket].zero_()
         self.graphs[bucket].replay()
         logits, hidden, captured = self.outputs[bucket]
-        return ForwardOutput(logits[:n], hidden[:n], captured[:n] if captured is not None else None)
+        # Every row is a logits row (one token per request, or all of a verify's): hidden is per token.
+        return ForwardOutput(logits[:n], hidden[:n], captured[:n] if captured is not None else None, hidden[:n])

@@ -31,7 +31,8 @@ def triton_on_device(config: EngineConfig) -> bool:
 
 def layer_kernels(config: EngineConfig) -> Kernels:
     on_device = triton_on_device(config)
-    return Kernels(triton_rope=on_device and shared_triton_kernel(config), triton_elementwise=on_device)
+    return Kernels(triton_rope=on_device and shared_triton_kernel(config), triton_elementwise=on_device,
+                   triton_fp8=on_device)
 
 
 @dataclass
@@ -39,13 +40,24 @@ class ForwardOutput:
     logits: torch.Tensor  # [N, vocab] float32: each request's last new token, or every new token
     hidden: torch.Tensor  # [N, hidden]: the final hidden state at the same rows
     captured: torch.Tensor | None  # [T, hidden * k]: the batch's `capture_hidden` layers, every new token
+    token_hidden: torch.Tensor  # [T, hidden]: the final hidden state of every new token (EAGLE's features)
+
+
+@dataclass
+class DeviceInputs:
+    """Inputs of a forward that are already on the device (a draft's tokens, a verify tree's positions),
+    replacing the ScheduledBatch's host lists so that building the batch never waits for the device."""
+
+    input_ids: torch.Tensor | None = None  # [T] int64
+    positions: torch.Tensor | None = None  # [T] int64
+    features: torch.Tensor | None = None  # [T, F]: a draft head's feature input (ForwardBatch.spec_features)
 
 
 class ModelRunner:
     """`model` over `pools` (its share of `memory`); the attention backends of `config`'s pair."""
 
     def __init__(self, config: EngineConfig, model: nn.Module, memory: KVMemory, pools: KVPools,
-                 future_tokens: FutureTokens) -> None:
+                 future_tokens: FutureTokens, attn_backend=None) -> None:
         assert config.resolved, "ModelRunner needs a resolved EngineConfig"
         self.config = config
         self.device = memory.device
@@ -55,13 +67,8 @@ class ModelRunner:
         self.future_tokens = future_tokens
         self.vocab_size = model.config.vocab_size
 
-        pair = attention_backends(config)
-        prefill = create_backend(pair.prefill, pools, self.req_to_token, config)
-        if pair.decode == pair.prefill:
-            self.attn_backend = prefill  # one backend serves every mode: no hybrid wrapper
-        else:
-            decode = create_backend(pair.decode, pools, self.req_to_token, config)
-            self.attn_backend = HybridBackend(prefill, decode, config.speculative.speculative_attention_mode)
+        # A draft model's runner is given its backend by the draft-backend factory (kestrel.spec).
+        self.attn_backend = attn_backend if attn_backend is not None else self._target_backend(config, pools)
         logger.info("attention backend: %s", self.attn_backend.name)
 
         # Set to a list to time every forward on the GPU: (start, end) CUDA events are appended (benchmarks).
@@ -69,20 +76,39 @@ class ModelRunner:
         self.cuda_graphs: dict[tuple[ForwardMode, int], CudaGraphRunner] = {}
         graph_ok = all(REGISTRY[name].cuda_graph for name in cuda_graph_backends(config))
         self._graphs_on = self.device.type == "cuda" and not config.cuda_graph.disable_cuda_graph and graph_ok
-        self.capture_graphs(ForwardMode.DECODE, 1)
+        if attn_backend is None:
+            self.capture_graphs(ForwardMode.DECODE, 1)
 
-    def capture_graphs(self, mode: ForwardMode, tokens_per_request: int, capture_hidden: tuple[int, ...] = ()) -> None:
+    def _target_backend(self, config: EngineConfig, pools: KVPools):
+        pair = attention_backends(config)
+        prefill = create_backend(pair.prefill, pools, self.req_to_token, config)
+        if pair.decode == pair.prefill:
+            return prefill  # one backend serves every mode: no hybrid wrapper
+        decode = create_backend(pair.decode, pools, self.req_to_token, config)
+        return HybridBackend(prefill, decode, config.speculative.speculative_attention_mode)
+
+    @property
+    def graphs_on(self) -> bool:
+        return self._graphs_on
+
+    def capture_graphs(self, mode: ForwardMode, tokens_per_request: int, capture_hidden: tuple[int, ...] = (),
+                       features: tuple[int, torch.dtype] | None = None) -> None:
         """Capture CUDA graphs for batches of `mode` with this many new tokens per request (a verify
-        step's tree size), for every batch-size bucket; a no-op where graphs are off."""
+        step's tree size), for every batch-size bucket; a no-op where graphs are off. `features`: the
+        (width, dtype) of a draft head's feature input."""
         if not self._graphs_on:
             return
-        max_bs = min(self.config.cuda_graph.cuda_graph_max_bs, self.config.scheduler.max_running_requests)
         self.cuda_graphs[(mode, tokens_per_request)] = CudaGraphRunner(
-            self.model, self.attn_backend, self.req_to_token.padding_row, max_bs, self.device, mode,
-            tokens_per_request, capture_hidden)
+            self.model, self.attn_backend, self.req_to_token.padding_row, self.graph_max_bs, self.device, mode,
+            tokens_per_request, capture_hidden, features)
 
-    def build_batch(self, batch: ScheduledBatch) -> ForwardBatch:
-        """Send the batch to the device in one copy, apply its `req_to_token` writes and KV moves."""
+    @property
+    def graph_max_bs(self) -> int:
+        return min(self.config.cuda_graph.cuda_graph_max_bs, self.config.scheduler.max_running_requests)
+
+    def build_batch(self, batch: ScheduledBatch, inputs: DeviceInputs | None = None) -> ForwardBatch:
+        """Send the batch to the device in one copy, apply its `req_to_token` writes and KV moves;
+        `inputs` replace the batch's host token ids / positions."""
         extend, prefix = batch.extend_lens, batch.prefix_lens
         seq = [p + e for p, e in zip(prefix, extend)]
         n, b = batch.num_tokens, batch.batch_size
@@ -101,8 +127,13 @@ class ModelRunner:
         if moves.shape[1]:
             m = m.view(2, -1)
             self.memory.move(m[0], m[1])
-        if any(t < 0 for t in batch.input_ids):  # sampled by the step still running: only on the device
+        inputs = inputs or DeviceInputs()
+        if inputs.input_ids is not None:
+            ids = inputs.input_ids
+        elif any(t < 0 for t in batch.input_ids):  # sampled by the step still running: only on the device
             ids = self.future_tokens.resolve(ids)
+        if inputs.positions is not None:
+            positions = inputs.positions
         tree = tree_starts = None
         if batch.tree_mask is not None:
             tree = batch.tree_mask.to(self.device, non_blocking=True)
@@ -113,24 +144,29 @@ class ModelRunner:
             req_pool_indices=pool_idx, seq_lens=seq_t, prefix_lens=prefix_t, extend_lens=extend_t,
             seq_lens_cpu=seq, prefix_lens_cpu=list(prefix), extend_lens_cpu=list(extend), max_extend=max(extend),
             logits_indices=rows_t, attn_backend=self.attn_backend, tree_mask=tree, tree_mask_starts=tree_starts,
-            capture_hidden=batch.capture_hidden)
+            capture_hidden=batch.capture_hidden, spec_features=inputs.features)
 
-    def forward(self, batch: ScheduledBatch) -> ForwardOutput:
+    def forward(self, batch: ScheduledBatch, inputs: DeviceInputs | None = None) -> ForwardOutput:
+        with torch.inference_mode():
+            return self.execute(self.build_batch(batch, inputs))
+
+    def execute(self, fb: ForwardBatch, graph: CudaGraphRunner | None = None) -> ForwardOutput:
+        """Run a built batch: `graph` or this runner's captured graph when one fits, else eagerly."""
         if self.forward_events is None:
-            return self._forward(batch)
+            return self._execute(fb, graph)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = self._forward(batch)
+        out = self._execute(fb, graph)
         end.record()
         self.forward_events.append((start, end))
         return out
 
     @torch.inference_mode()
-    def _forward(self, batch: ScheduledBatch) -> ForwardOutput:
-        fb = self.build_batch(batch)
-        graph = self.cuda_graphs.get((fb.forward_mode, fb.max_extend))
-        if graph is not None and graph.can_run(fb, batch):
+    def _execute(self, fb: ForwardBatch, graph: CudaGraphRunner | None) -> ForwardOutput:
+        graph = graph or self.cuda_graphs.get((fb.forward_mode, fb.max_extend))
+        if graph is not None and graph.can_run(fb):
             return graph.replay(fb)
         fb.attn_backend.init_forward_metadata(fb)
-        hidden = self.model(fb.input_ids, fb.positions, fb)[fb.logits_indices]
-        return ForwardOutput(self.model.compute_logits(hidden), hidden, fb.captured_hidden)
+        token_hidden = self.model(fb.input_ids, fb.positions, fb)
+        hidden = token_hidden[fb.logits_indices]
+        return ForwardOutput(self.model.compute_logits(hidden), hidden, fb.captured_hidden, token_hidden)

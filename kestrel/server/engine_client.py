@@ -244,6 +244,8 @@ class EngineClient:
         if delta.finished:
             del self._tracked[delta.rid]
             self.metrics.on_finish(delta.finish_reason or "abort", now - tracked.arrival)
+            if delta.spec_accept_histogram:
+                self.metrics.on_spec_rounds(delta.spec_accept_histogram)
         tracked.group.queue.put_nowait((tracked.index, delta))
 
     def _on_dead(self, reason: str) -> None:

@@ -131,7 +131,8 @@ class EngineLoop:
             logprobs=req.output_logprobs[start:] if asked else None,
             top_logprobs=req.output_top_logprobs[start:] if asked else None,
             finished=req.finished, finish_reason=req.finish_reason, matched_stop=req.matched_stop, error=req.error,
-            prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
+            prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
+            spec_accept_histogram=req.spec_accept_histogram if req.finished and req.spec_accept_counts else None)
 
     def _send_stats(self) -> None:
         self.outbox.send(self.engine.stats())

@@ -46,6 +46,7 @@ class Choice:
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     cached_tokens: int = 0
+    spec_accept_histogram: list[int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -104,6 +105,7 @@ class Generation:
             choice.text += new_text
             choice.token_ids += delta.token_ids
             choice.cached_tokens = delta.cached_tokens
+            choice.spec_accept_histogram = delta.spec_accept_histogram or choice.spec_accept_histogram
             if delta.logprobs is not None:
                 choice.logprobs += delta.logprobs
                 choice.top_logprobs += delta.top_logprobs or []

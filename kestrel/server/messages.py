@@ -81,6 +81,8 @@ class TokenDelta:
     error: str | None = None  # the engine's message when finish_reason is "error" (a failed step)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # On a finished request's delta, with speculative decoding: entry k = verify rounds that committed k tokens.
+    spec_accept_histogram: list[int] | None = None
 
 
 @dataclass

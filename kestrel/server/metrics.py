@@ -17,6 +17,7 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  20.0, 40.0, 80.0, 160.0, 640.0)
 _ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_ACCEPT_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -57,6 +58,11 @@ class ServerMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token", _TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token", _E2E_BUCKETS)
+        self.spec_rounds = histogram("spec_accept_length_per_round", "Tokens a speculative verify round committed "
+                                     "(accepted drafts + the bonus), counted when the request finishes", _ACCEPT_BUCKETS)
+        self.spec_accept_length = gauge("spec_accept_length", "Mean tokens per speculative verify round, over the "
+                                                              "finished requests")
+        self._spec_sums = [0, 0]  # tokens, rounds
 
     def on_engine_ready(self) -> None:
         self.engine_alive.set(1)
@@ -89,6 +95,15 @@ class ServerMetrics:
     def on_finish(self, finish_reason: str, e2e: float) -> None:
         self._requests.labels(self._model_name, finish_reason).inc()
         self.e2e.observe(e2e)
+
+    def on_spec_rounds(self, histogram: list[int]) -> None:
+        """A finished request's verify rounds: entry k counts the rounds that committed k tokens."""
+        for tokens, rounds in enumerate(histogram):
+            for _ in range(rounds):
+                self.spec_rounds.observe(tokens)
+            self._spec_sums[0] += tokens * rounds
+            self._spec_sums[1] += rounds
+        self.spec_accept_length.set(self._spec_sums[0] / max(1, self._spec_sums[1]))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

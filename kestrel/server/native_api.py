@@ -36,6 +36,10 @@ def _output(gen: Generation, c: Choice, index: int | None) -> dict[str, Any]:
         "id": c.rid, "prompt_tokens": len(c.prompt_ids), "completion_tokens": len(c.token_ids),
         "cached_tokens": c.cached_tokens, "finish_reason": _finish_reason(c),
         "e2e_latency": time.monotonic() - gen.arrival}
+    if c.spec_accept_histogram:
+        rounds = sum(c.spec_accept_histogram)
+        meta.update(spec_verify_ct=rounds, spec_accept_histogram=c.spec_accept_histogram,
+                    spec_accept_length=sum(k * n for k, n in enumerate(c.spec_accept_histogram)) / rounds)
     if c.params.logprobs is not None:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids)]
         meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in c.top_logprobs]

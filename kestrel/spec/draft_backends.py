@@ -3,8 +3,9 @@
 From the draft resolution (`registry.draft_attention_backends`: the override for every phase, else the
 target's pair) one factory builds:
 - the multi-step draft-decode container: one backend per draft forward of a round, from the decode
-  half. A round drafts `num_steps` tree levels, the first from the top-k the last DRAFT_EXTEND left,
-  so it runs `num_steps - 1` forwards; no container when `num_steps <= 1`;
+  half. A round drafts `num_steps` tree levels; a feature draft (EAGLE) gets the first from the top-k
+  its last DRAFT_EXTEND left, so it runs `num_steps - 1` forwards (no container when `num_steps <= 1`),
+  a STANDALONE draft runs `num_steps`;
 - the draft-extend backend, from the half `speculative_attention_mode` names.
 A backend that cannot serve a draft mode is refused when the config resolves, never at the first
 request. Every product carries the stamp of what it really is (what its registry factory reports), and
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kestrel.attention.registry import REGISTRY, create_backend, draft_attention_backends
-from kestrel.spec.resolve import DRAFT_MODEL_ALGORITHMS
+from kestrel.spec.resolve import DRAFT_MODEL_ALGORITHMS, draft_forwards
 
 if TYPE_CHECKING:
     from kestrel.config import EngineConfig
@@ -71,7 +72,7 @@ def draft_backend_plan(config: "EngineConfig") -> DraftBackendPlan | None:
     extend_source = given or (f"the target's {extend_half} half "
                               f"(speculative_attention_mode={spec.speculative_attention_mode})")
 
-    decode_steps = spec.speculative_num_steps - 1
+    decode_steps = draft_forwards(spec)
     decode = pair.decode if decode_steps > 0 else None
     extend = pair.prefill if extend_half == "prefill" else pair.decode
     for mode, name, where in (("decode", decode, "decode"), ("extend", extend, "draft-extend")):
@@ -83,15 +84,17 @@ def draft_backend_plan(config: "EngineConfig") -> DraftBackendPlan | None:
                             decode_source=decode_source, extend_source=extend_source)
 
 
-def create_draft_backends(config: "EngineConfig", pools: Any, req_to_token: Any) -> DraftBackends:
+def create_draft_backends(config: "EngineConfig", pools: Any, req_to_token: Any,
+                          lane_table: Any = None) -> DraftBackends:
     """Build the draft model's backends over its KV pools (`pools`, passed to the registry factories
-    as they are) and the shared `req_to_token`."""
+    as they are) and the shared `req_to_token`; the draft-decode children read the lanes' rows
+    (`lane_table`, kestrel.spec.draft_lanes) when given."""
     plan = draft_backend_plan(config)
     if plan is None:
         raise ValueError(f"speculative_algorithm={config.speculative.speculative_algorithm} runs no draft model, "
                          "so it has no draft attention backends")
     decode = None
     if plan.decode is not None:
-        decode = MultiStepDraftBackend([create_backend(plan.decode, pools, req_to_token, config)
+        decode = MultiStepDraftBackend([create_backend(plan.decode, pools, lane_table or req_to_token, config)
                                         for _ in range(plan.decode_steps)])
     return DraftBackends(decode=decode, extend=create_backend(plan.extend, pools, req_to_token, config))

@@ -15,6 +15,8 @@ logger = logging.getLogger(__name__)
 ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
 # Algorithms that run a draft model (and so need draft attention backends and a draft path).
 DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+# Drafts that read the target's hidden states: draft position p reads token p + 1 and a feature of p.
+FEATURE_DRAFT_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
 SHAPE_FIELDS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
 # SGLang's choices when none of the three is set: a tree for EAGLE heads on Llama-like targets, a short
 # chain for MTP layers, draft models and everything else.
@@ -23,6 +25,12 @@ CHAIN_SHAPE = (3, 1, 4)
 # NGRAM: SGLang proposes up to 12 tokens (its longest match window), branching up to 10 ways.
 NGRAM_DRAFT_TOKENS = 12
 NGRAM_MAX_BREADTH = 10
+
+
+def draft_forwards(spec: "SpeculativeConfig") -> int:
+    """Draft-decode forwards per round: a feature draft gets its first tree level from its last
+    DRAFT_EXTEND, a STANDALONE draft runs a forward on the root for it."""
+    return spec.speculative_num_steps - (1 if spec.speculative_algorithm in FEATURE_DRAFT_ALGORITHMS else 0)
 
 
 def resolve_speculative(spec: "SpeculativeConfig", target_path: str, target_hf: dict[str, Any]) -> "SpeculativeConfig":

@@ -47,7 +47,11 @@ def test_ngram_with_a_tiny_pool_retracts_and_stops_at_the_context(tiny_model):
         assert_pool_full(spec)
 
 
-def test_ngram_refuses_what_it_does_not_do_yet(tiny_model):
+def test_ngram_samples_reproducibly_and_refuses_penalties(tiny_model):
+    params = [SamplingParams(max_new_tokens=12, temperature=0.8, seed=s, ignore_eos=True) for s in range(3)]
     with Engine(model=tiny_model("llama"), device="cpu", dtype="float32", speculative_algorithm="NGRAM") as spec:
-        with pytest.raises(ValueError, match="greedy requests only"):
-            spec.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(temperature=0.7))
+        first = [o.token_ids for o in spec.generate(prompt_token_ids=repetitive_prompts()[:3], sampling_params=params)]
+        assert first == [o.token_ids for o in spec.generate(prompt_token_ids=repetitive_prompts()[:3],
+                                                            sampling_params=params)]
+        with pytest.raises(ValueError, match="penalties and min_new_tokens are not supported"):
+            spec.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(presence_penalty=0.5))

@@ -16,16 +16,17 @@ import triton.language as tl
 
 from kestrel.attention.triton.common import attend_block
 from kestrel.envs import triton_jit
+from kestrel.quant.fp8_triton import fp8_store_args, to_storage
 
 
 @triton_jit
 def _decode_partial_kernel(
     Q, K, V, O, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens, K_new, V_new, new_slots,
     stride_knt, stride_vnt, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_row,
-    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, sm_scale, window, num_splits,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, sm_scale, k_scale, v_scale, window, num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    DIRECT: tl.constexpr,
+    DIRECT: tl.constexpr, FP8_MAX: tl.constexpr, EXACT_ROUND: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -47,8 +48,10 @@ def _decode_partial_kernel(
         slot = tl.load(new_slots + b)
         k_new = tl.load(K_new + b * stride_knt + kv_head * HEAD_DIM + offs_d, mask=d_mask)
         v_new = tl.load(V_new + b * stride_vnt + kv_head * HEAD_DIM + offs_d, mask=d_mask)
-        tl.store(K + slot * stride_kt + kv_head * stride_kh + offs_d, k_new.to(K.dtype.element_ty), mask=d_mask)
-        tl.store(V + slot * stride_vt + kv_head * stride_vh + offs_d, v_new.to(V.dtype.element_ty), mask=d_mask)
+        tl.store(K + slot * stride_kt + kv_head * stride_kh + offs_d,
+                 to_storage(k_new, k_scale, K.dtype.element_ty, FP8_MAX, EXACT_ROUND), mask=d_mask)
+        tl.store(V + slot * stride_vt + kv_head * stride_vh + offs_d,
+                 to_storage(v_new, v_scale, V.dtype.element_ty, FP8_MAX, EXACT_ROUND), mask=d_mask)
         tl.debug_barrier()  # every thread of the program sees the stores before the loads below
     q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
@@ -63,8 +66,8 @@ def _decode_partial_kernel(
         n_mask = offs_n < hi
         m_i, l_i, acc = attend_block(q, K, V, req_to_token, row, stride_row, kv_head, stride_kt, stride_kh,
                                      stride_vt, stride_vh, offs_n, n_mask, n_mask[None, :], offs_d, d_mask, m_i, l_i,
-                                     acc, sm_scale, UPCAST, PRECISION)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+                                     acc, sm_scale * k_scale, PRECISION)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
     if DIRECT:  # a single split is the whole answer: no second stage
         tl.store(O + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
                  mask=h_mask[:, None] & d_mask[None, :])
@@ -99,11 +102,12 @@ def _decode_merge_kernel(
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      out: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, new_slots: torch.Tensor, sm_scale: float, sliding_window: int | None,
-                     upcast: bool, num_splits: int, block_n: int = 64, num_warps: int = 4,
-                     num_stages: int = 3) -> None:
+                     upcast: bool, num_splits: int, k_scale: float = 1.0, v_scale: float = 1.0, block_n: int = 64,
+                     num_warps: int = 4, num_stages: int = 3) -> None:
     """q/out: [B, num_heads, head_dim] (one token per request); k/v: [B, num_kv_heads * head_dim], the new
     tokens' K/V (rows may be strided views), stored at `new_slots` [B] (their req_to_token entries at
-    position seq_len - 1); k_buf/v_buf: [slots, num_kv_heads, head_dim]."""
+    position seq_len - 1); k_buf/v_buf: [slots, num_kv_heads, head_dim], FP8 buffers storing value / scale
+    (kestrel.quant.kv), dequantized in registers."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
@@ -116,11 +120,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
         q, k_buf, v_buf, out, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens, k, v, new_slots,
         k.stride(0), v.stride(0), q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-        mid_lse.stride(1), sm_scale, sliding_window or 0, num_splits,
+        mid_lse.stride(1), sm_scale, k_scale, v_scale, sliding_window or 0, num_splits,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=block_n, USE_WINDOW=sliding_window is not None, UPCAST=upcast,
         # float32 stays float32 (TF32 would drift from the reference); half types use tensor cores.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct, **fp8_store_args(k_buf.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     if direct:

@@ -18,7 +18,7 @@ from kestrel.envs import triton_jit
 def _extend_kernel(
     Q, K, V, O, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts, tree_mask, tree_starts,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_row,
-    sm_scale, window,
+    sm_scale, v_scale, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     TREE: tl.constexpr,
@@ -66,8 +66,8 @@ def _extend_kernel(
                 visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
             m_i, l_i, acc = attend_block(q, K, V, req_to_token, row, stride_row, kv_head, stride_kt, stride_kh,
                                          stride_vt, stride_vh, offs_n, n_mask, visible, offs_d, d_mask, m_i, l_i,
-                                         acc, sm_scale, UPCAST, PRECISION)
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+                                         acc, sm_scale, PRECISION)
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
         tl.store(O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
@@ -76,9 +76,11 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                      extend_lens: torch.Tensor, q_starts: torch.Tensor, max_extend: int, sm_scale: float,
                      sliding_window: int | None, upcast: bool, tree_mask: torch.Tensor | None = None,
-                     tree_starts: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64) -> None:
-    """q/out: [T, num_heads, head_dim]; k_buf/v_buf: [slots, num_kv_heads, head_dim]; lens per request;
-    `tree_mask` / `tree_starts` as in ForwardBatch (None: causal among the new tokens)."""
+                     tree_starts: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                     block_m: int = 64, block_n: int = 64) -> None:
+    """q/out: [T, num_heads, head_dim]; k_buf/v_buf: [slots, num_kv_heads, head_dim] (FP8 buffers store
+    value / scale, dequantized in registers); lens per request; `tree_mask` / `tree_starts` as in
+    ForwardBatch (None: causal among the new tokens)."""
     tree = tree_mask is not None
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k_buf.shape[1]
@@ -88,7 +90,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         tree_mask if tree else q_starts, tree_starts if tree else q_starts,  # unused without a tree
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0),
-        sm_scale, sliding_window or 0,
+        sm_scale * k_scale, v_scale, sliding_window or 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None, UPCAST=upcast,
         # float32 stays float32 (TF32 would drift from the reference); half types use tensor cores.

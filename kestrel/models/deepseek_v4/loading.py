@@ -18,9 +18,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from kestrel.quant.fp8 import dequantize_blocks
+
 logger = logging.getLogger(__name__)
 
-FP8_BLOCK = 128
 FP4_BLOCK = 32
 # e2m1 code -> value (bit 3 is the sign).
 _FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -76,9 +77,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> 
     """float32 [*shape] from an FP8 (128 x 128 blocks) or packed FP4 (32-input blocks) weight."""
     scale = scale.float()
     if weight.dtype == torch.float8_e4m3fn:
-        rows, cols = weight.shape[-2:]
-        full = scale.repeat_interleave(FP8_BLOCK, -2)[..., :rows, :].repeat_interleave(FP8_BLOCK, -1)[..., :cols]
-        return weight.float() * full
+        return dequantize_blocks(weight, scale)
     if weight.dtype in (torch.int8, torch.uint8, torch.float4_e2m1fn_x2):
         packed = weight.view(torch.uint8)
         codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)  # low nibble is the even element

@@ -1,0 +1,200 @@
+"""FP8 GEMM with 128 x 128 block-scaled weights and per-token activation groups, in Triton.
+
+y[M, N] = x[M, K] @ dequant(w)[N, K]^T: every 128-wide slice of the reduction has one activation scale
+per token (x's group amax / 448, quantized on the fly) and one weight scale per 128 output rows, so a
+program multiplies each block's FP8 dot product by the two scales and accumulates in float32.
+
+Two ways to get the FP8 activations, chosen by the size of M:
+- small M (decode): each program quantizes the bf16 activation tile it needs in registers. The tile is
+  tiny and read from L2 by every program over N, and one launch per linear saves what counts at batch 1;
+- large M (prefill): one quantization kernel first, since re-quantizing the tile for each of N/BLOCK_N
+  programs would cost a fraction of the tensor-core time on CUDA cores.
+When the grid has too few programs to fill the GPU (small M and N), the reduction is split over K into
+float32 partials, which a second kernel sums, biases and casts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel import envs
+from kestrel.envs import triton_jit
+from kestrel.quant.fp8 import BLOCK
+from kestrel.quant.fp8_triton import to_fp8
+
+# The largest M whose activations are quantized inside the GEMM (see the module docstring).
+FUSED_QUANT_MAX_M = 64
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int  # 16, 32, 64 or 128: a tile's rows then share one weight scale
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    fused_quant: bool = True
+
+
+@triton_jit
+def _quant_tile(x, EXACT_ROUND: tl.constexpr):
+    """(e4m3 tile, float32 per-row scale) of a float32 [rows, 128] tile: kestrel.quant.fp8.quantize_token_groups
+    (448: e4m3's largest value)."""
+    amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-12)
+    q = to_fp8(x * (448.0 / amax)[:, None], tl.float8e4nv, 448.0, EXACT_ROUND)
+    return q, amax / 448.0
+
+
+@triton_jit
+def _quant_kernel(X, Q, S, M, K, stride_xm, stride_qm, stride_sm, BLOCK_R: tl.constexpr, EXACT_ROUND: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    kb = tl.program_id(1)
+    offs_k = kb * 128 + tl.arange(0, 128)
+    mask = (rows < M)[:, None] & (offs_k < K)[None, :]
+    x = tl.load(X + rows[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    q, s = _quant_tile(x, EXACT_ROUND)
+    tl.store(Q + rows[:, None] * stride_qm + offs_k[None, :], q, mask=mask)
+    tl.store(S + rows * stride_sm + kb, s, mask=rows < M)
+
+
+@triton_jit
+def _gemm_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym,
+                 stride_pk, stride_pm, HAS_BIAS: tl.constexpr, FUSED_QUANT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+                 EXACT_ROUND: tl.constexpr):
+    # Tiles in groups of GROUP_M rows of tiles, so the programs running together share W tiles in L2.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_in_group
+    pid_n = (pid % (GROUP_M * tiles_n)) // rows_in_group
+    split = tl.program_id(1)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_blocks = tl.cdiv(K, 128)
+    per_split = tl.cdiv(k_blocks, SPLIT_K)
+    kb_lo = split * per_split
+    kb_hi = tl.minimum(kb_lo + per_split, k_blocks)
+    w_scale_row = W_s + (pid_n * BLOCK_N // 128) * stride_wsn  # BLOCK_N divides 128: one scale row per tile
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(kb_lo, kb_hi):
+        offs_k = kb * 128 + tl.arange(0, 128)
+        k_mask = offs_k < K
+        x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        if FUSED_QUANT:
+            xq, x_s = _quant_tile(x.to(tl.float32), EXACT_ROUND)
+        else:
+            xq = x
+            x_s = tl.load(X_s + offs_m * stride_xsm + kb, mask=m_mask, other=0.0)
+        w = tl.load(W + offs_n[None, :] * stride_wn + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :],
+                    other=0.0)
+        if UPCAST:  # the interpreter stores FP8 as bytes: its dot needs real numbers
+            part = tl.dot(xq.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(xq, w)  # FP8 x FP8 on tensor cores, float32 accumulate
+        acc += part * (x_s[:, None] * tl.load(w_scale_row + kb))
+
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
+    else:
+        tl.store(P + split * stride_pk + offs_m[:, None] * stride_pm + offs_n[None, :], acc,
+                 mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton_jit
+def _split_sum_kernel(P, Y, Bias, M, N, stride_pk, stride_pm, stride_ym, SPLIT_K: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(P + s * stride_pk + row * stride_pm + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+@lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
+    """Tiles by M; split K when the tiles alone would leave most SMs idle (decode shapes).
+    A first guess, to be replaced by what scripts/bench_fp8.py measures on the H200."""
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
+    if m > FUSED_QUANT_MAX_M:
+        return GemmConfig(block_m=128 if m >= 128 else 64, block_n=128, num_warps=8, num_stages=3,
+                          fused_quant=False)
+    block_m = max(16, triton.next_power_of_2(m))
+    block_n = 64
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    k_blocks = triton.cdiv(k, BLOCK)
+    split = 1
+    while tiles * split < 2 * sms and k_blocks >= 8 * split:
+        split *= 2
+    return GemmConfig(block_m=block_m, block_n=block_n, split_k=split, num_warps=4, num_stages=4)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn [M, K], float32 [M, ceil(K/128)]) in one launch: quantize_token_groups on the GPU."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((m, triton.cdiv(k, BLOCK)), dtype=torch.float32, device=x.device)
+    if m:
+        block_r = 16
+        _quant_kernel[(triton.cdiv(m, block_r), triton.cdiv(k, BLOCK))](
+            x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), BLOCK_R=block_r, EXACT_ROUND=envs.triton_interpret())
+    return q, s
+
+
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
+             config: GemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] (float) @ weight [N, K] (float8_e4m3fn, 128 x 128 block scales [ceil(N/128), ceil(K/128)])^T
+    (+ bias) -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("fp8_gemm needs row-major x and weight (inner stride 1)")
+    cfg = config or default_config(m, n, k, x.device)
+    if BLOCK % cfg.block_n:
+        raise ValueError(f"block_n must divide {BLOCK} (one weight scale per tile), got {cfg.block_n}")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    if cfg.fused_quant:
+        xq, x_s = x, x  # x_s unused: the kernel quantizes x itself
+    else:
+        xq, x_s = quantize_activations(x)
+    partial = y if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
+    interpret = envs.triton_interpret()
+    _gemm_kernel[grid](
+        xq, x_s, weight, weight_scale_inv, y, partial, bias if bias is not None else y, m, n, k,
+        xq.stride(0), x_s.stride(0), weight.stride(0), weight_scale_inv.stride(0), y.stride(0),
+        partial.stride(0), partial.stride(1) if cfg.split_k > 1 else 0,
+        HAS_BIAS=bias is not None, FUSED_QUANT=cfg.fused_quant, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        SPLIT_K=cfg.split_k, GROUP_M=8, UPCAST=interpret, EXACT_ROUND=interpret,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.split_k > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _split_sum_kernel[(m, triton.cdiv(n, block))](
+            partial, y, bias if bias is not None else y, m, n, partial.stride(0), partial.stride(1), y.stride(0),
+            SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None, BLOCK=block)
+    return y

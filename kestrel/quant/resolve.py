@@ -1,0 +1,60 @@
+"""Resolution of `--kv-cache-dtype` and `--quantization` against the checkpoint and the device."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kestrel.quant.fp8 import BLOCK
+from kestrel.quant.kv import KV_CACHE_DTYPES
+
+QUANTIZATIONS = ("fp8",)
+# Ada (sm89) and Hopper (sm90) have FP8 tensor cores and conversions; older GPUs have neither.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def checkpoint_quantization(hf: dict[str, Any]) -> str | None:
+    """"fp8" for a block-scaled FP8 checkpoint (Qwen3-FP8 / DeepSeek layout), None for a float one;
+    ValueError for any quantized format kestrel cannot load."""
+    qc = hf.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"the checkpoint is quantized with {method!r}; kestrel loads float checkpoints and "
+                         f"block-scaled fp8 ones (quantization_config.quant_method 'fp8')")
+    if list(qc.get("weight_block_size") or []) != [BLOCK, BLOCK]:
+        raise ValueError(f"the fp8 checkpoint has weight_block_size {qc.get('weight_block_size')}; kestrel loads "
+                         f"[{BLOCK}, {BLOCK}] block scales (weight_scale_inv) only, not per-tensor scales")
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"the fp8 checkpoint has activation_scheme {qc['activation_scheme']!r}; kestrel "
+                         "quantizes activations dynamically (per token) and supports 'dynamic' only")
+    return "fp8"
+
+
+def resolve_quantization(quantization: str | None, kv_cache_dtype: str, hf: dict[str, Any], device: str) -> str | None:
+    """The weight quantization to load with (None: float weights); validates both FP8 options."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or unset, got {quantization!r}")
+    from kestrel.models.registry import needs_dsv4_attention
+
+    if needs_dsv4_attention(hf.get("architectures") or []):
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported for DeepSeek-V4 yet (the dsv4 "
+                             "backend keeps its KV in the model dtype); use kv_cache_dtype='auto'")
+        if quantization is not None:
+            raise ValueError("quantization 'fp8' is not supported for DeepSeek-V4: its loader dequantizes the "
+                             "checkpoint's FP8/FP4 weights to the model dtype; leave quantization unset")
+        return None
+    quantization = quantization or checkpoint_quantization(hf)
+    if (quantization or kv_cache_dtype != "auto") and device != "cpu":
+        have = torch.cuda.get_device_capability(device)
+        if have < FP8_MIN_CAPABILITY:
+            what = " and ".join(filter(None, [f"kv_cache_dtype {kv_cache_dtype!r}" if kv_cache_dtype != "auto" else "",
+                                              f"quantization {quantization!r}" if quantization else ""]))
+            raise ValueError(f"{what} need a GPU with FP8 support (compute capability >= 8.9: Ada, Hopper or "
+                             f"newer); this one is {have[0]}.{have[1]}. Use kv_cache_dtype='auto' and no "
+                             "quantization (on CPU, FP8 is emulated)")
+    return quantization

@@ -1,0 +1,82 @@
+"""One TARGET_VERIFY of a draft tree, its acceptance and the KV rollback (spec §2, steps 3-5).
+
+Shared by every algorithm: the proposer (a draft model, or n-gram matching) gives a DraftTree per
+request; the target scores all its nodes in one forward with the tree mask; acceptance walks the tree
+(greedy, or the distribution-preserving rule for sampled requests); the accepted path's KV is kept and
+the other new slots are given back. Logprobs of the committed tokens come from the same logits, as the
+non-speculative sampler computes them (log-softmax before temperature and filters).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kestrel.core.batch import ScheduledBatch
+from kestrel.engine.sampler import SamplingBatch
+from kestrel.runner.model_runner import DeviceInputs, ForwardOutput
+from kestrel.spec.accept import Acceptance, accept_sampling
+from kestrel.spec.tree import DraftTree
+
+
+@dataclass
+class Verified:
+    """A verify round's result, per request of the batch (host lists) and the target's output."""
+
+    counts: list[int]  # tokens committed: accepted drafts + the bonus
+    paths: list[list[int]]  # accepted node indices, root first (counts[i] of them)
+    tokens: list[list[int]]  # the committed tokens (counts[i] of them)
+    logprobs: list[list[float] | None]
+    top_logprobs: list[list[list[tuple[int, float]]] | None]
+    acceptance: Acceptance  # on the device
+    target: ForwardOutput
+
+
+def verify_tree(scheduler, runner, batch: ScheduledBatch, tree: DraftTree, context_length: int,
+                sampling: SamplingBatch, greedy_graphs=None) -> Verified:
+    """Score `tree` (on the runner's device) for `batch` (a TARGET_VERIFY from the scheduler, whose
+    requests' sampled tokens are all resolved), accept, commit the batch and roll the KV back.
+    `greedy_graphs` (kestrel.spec.draft_worker): greedy acceptance as CUDA graphs, for all-greedy batches."""
+    reqs, n = batch.reqs, tree.tokens.shape[1]
+    device = runner.device
+    prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64).to(device, non_blocking=True)
+    # Nodes past the context are scored but never kept (resolve stops at the length limit); their
+    # positions stay inside the rope tables.
+    positions = (prefix[:, None] + tree.depths).clamp_(max=context_length - 1).flatten()
+    batch.tree_mask = tree.mask.flatten()
+    batch.logits_at_all_tokens = True
+    out = runner.forward(batch, DeviceInputs(input_ids=tree.tokens.flatten(), positions=positions))
+    logits = out.logits.view(len(reqs), n, -1)
+    if sampling.all_greedy and greedy_graphs is not None and greedy_graphs.can_run(len(reqs)):
+        acc = Acceptance(*greedy_graphs(tree.tokens, tree.parents, logits.argmax(-1)))
+    else:
+        acc = accept_sampling(logits, tree, sampling)
+    asks = [(i, r.params.logprobs) for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    lp_host = _path_logprobs(logits, acc, asks) if asks else None
+    host = torch.cat([acc.num_accepted[:, None], acc.accepted_nodes, acc.new_tokens], 1).tolist()  # the sync
+    scheduler.commit(batch, [], [])
+    d = acc.accepted_nodes.shape[1]
+    counts = [row[0] for row in host]
+    paths = [row[1:1 + k] for row, k in zip(host, counts)]
+    tokens = [row[1 + d:1 + d + k] for row, k in zip(host, counts)]
+    for req, path in zip(reqs, paths):
+        scheduler.keep_new_slots(req, n, path)
+    logprobs: list = [None] * len(reqs)
+    tops: list = [None] * len(reqs)
+    for j, (i, top_n) in enumerate(asks):
+        chosen, ids, vals = lp_host[j]
+        k = counts[i]
+        logprobs[i] = chosen[:k]
+        tops[i] = [[(int(t), v) for t, v in zip(ids[p][:top_n], vals[p][:top_n])] for p in range(k)]
+    return Verified(counts, paths, tokens, logprobs, tops, acc, out)
+
+
+def _path_logprobs(logits: torch.Tensor, acc: Acceptance, asks: list[tuple[int, int]]):
+    """Per logprob request: the committed tokens' logprobs and the top-n at each, along the path."""
+    rows = torch.tensor([i for i, _ in asks], device=logits.device)
+    n = max(1, max(top_n for _, top_n in asks))
+    nodes = acc.accepted_nodes[rows].clamp(min=0)  # [R, D + 1]; entries past the path are ignored
+    lp = torch.log_softmax(logits[rows[:, None], nodes].float(), dim=-1)  # [R, D + 1, V]
+    chosen = lp.gather(2, acc.new_tokens[rows].clamp(min=0)[..., None])[..., 0]
+    vals, ids = lp.topk(n, dim=-1)
+    return list(zip(chosen.tolist(), ids.tolist(), vals.tolist()))
