@@ -139,13 +139,15 @@ class Engine:
         """Validate and queue one request; returns its id. Raises ValueError on bad input."""
         params = sampling_params or SamplingParams()
         params.validate(self.vocab_size)
-        if self.spec_worker is not None and (params.has_penalties or params.min_new_tokens
-                                             or params.grammar is not None):
-            # All three change the target's distribution per node by the tokens before it, which differ
-            # along the draft tree; not applied there yet.
-            raise ValueError("with speculative decoding, repetition/frequency/presence penalties, min_new_tokens "
-                             "and grammars (json_schema, regex, ebnf, structural_tag) are not supported; unset "
-                             "them or serve without speculative_algorithm")
+        if self.spec_worker is not None and (params.has_penalties or params.min_new_tokens):
+            # Both change the target's distribution per node by the tokens before it, which differ along
+            # the draft tree; not applied there yet.
+            raise ValueError("with speculative decoding, repetition/frequency/presence penalties and min_new_tokens "
+                             "are not supported; unset them or serve without speculative_algorithm")
+        if self.spec_worker is not None and params.grammar is not None:
+            # A grammar's mask depends on the tokens before each node too (one matcher per tree path).
+            raise ValueError(f"with speculative decoding, grammars (json_schema, regex, ebnf, structural_tag) are not "
+                             f"supported yet; drop {params.grammar[0]} or serve without speculative_algorithm")
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt (text) or prompt_token_ids")
         if prompt is not None:
