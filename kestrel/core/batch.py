@@ -5,6 +5,7 @@ the engine's side of the same batch.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,7 @@ class ScheduledBatch:
     # token b iff mask[a, b] (a verify tree). None: causal among the new tokens.
     tree_mask: torch.Tensor | None = None
     logits_at_all_tokens: bool = False  # False: logits at each request's last new token only
+    full_logits: tuple[int, ...] = ()  # requests (batch indices) with logits at every new token (prompt logprobs)
     capture_hidden: tuple[int, ...] = ()  # layers whose input hidden states are returned (see ModelRunner)
     reqs: list["Request"] = field(default_factory=list)
 
@@ -52,3 +54,27 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+    def logit_rows(self) -> list[int]:
+        """Indices among the new tokens whose logits the forward returns, in order: every token with
+        `logits_at_all_tokens`, else each request's last one and all of those of `full_logits` requests."""
+        if self.logits_at_all_tokens:
+            return list(range(self.num_tokens))
+        ends = list(itertools.accumulate(self.extend_lens))
+        if not self.full_logits:
+            return [e - 1 for e in ends]
+        full = set(self.full_logits)
+        rows: list[int] = []
+        for i, (end, n) in enumerate(zip(ends, self.extend_lens)):
+            rows += range(end - n, end) if i in full else [end - 1]
+        return rows
+
+    def logit_spans(self) -> list[tuple[int, int]]:
+        """(first row, number of rows) of each request in the logits of `logit_rows()`."""
+        full = set(range(self.batch_size)) if self.logits_at_all_tokens else set(self.full_logits)
+        spans, row = [], 0
+        for i, n in enumerate(self.extend_lens):
+            k = n if i in full else 1
+            spans.append((row, k))
+            row += k
+        return spans

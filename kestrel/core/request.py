@@ -66,6 +66,12 @@ class Request:
         """Entry k: verify rounds that committed k tokens."""
         top = max(self.spec_accept_counts, default=0)
         return [self.spec_accept_counts.get(k, 0) for k in range(top + 1)]
+    # params.prompt_logprobs: entry i is prompt token i + 1 given tokens [0, i]. Positions below
+    # prompt_logprob_len had their logits launched; a resumed request never matches a cached prefix
+    # past it, so every position is computed exactly once.
+    prompt_logprob_len: int = 0
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def fill_ids(self) -> list[int]:

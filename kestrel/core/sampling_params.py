@@ -37,6 +37,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per generated token
+    # Logprobs of the prompt's tokens (each given the ones before it) and this many top logprobs at each
+    # prompt position, computed from the prefill (vLLM's name); with max_new_tokens=0 nothing is generated.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -94,6 +97,8 @@ class SamplingParams:
             bad("seed", "an integer or None")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             bad("logprobs", "None or an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20):
+            bad("prompt_logprobs", "None or an integer in [0, 20]")
         if not all(isinstance(s, str) and s for s in self.stop_strs):
             bad("stop", "a non-empty string or a list of non-empty strings")
         given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]

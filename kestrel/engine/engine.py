@@ -20,6 +20,7 @@ from kestrel.core.forward_mode import ForwardMode
 from kestrel.core.outputs import EngineStats, RequestOutput, StepInfo
 from kestrel.core.request import Request
 from kestrel.core.sampling_params import SamplingParams
+from kestrel.engine import prompt_logprobs
 from kestrel.engine.detokenizer import OutputText
 from kestrel.engine.grammar import GrammarBackend, GrammarState
 from kestrel.engine.sampler import PendingSample, Sampler, SamplingBatch
@@ -39,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Launched:
-    """A batch on the device: its sampled requests, their FutureTokens indices, the sample's host copy.
+    """A batch on the device: its sampled requests, their FutureTokens indices, the sample's host copy;
+    its prompt logprobs on their way to the host, and the requests it prefilled with nothing to sample.
 
     Until `sample` is set, the batch's forward is launched but not its sampling (which waits for the
     grammar masks, see `step`): `logits` and `sampling` are its inputs, `futures` are reserved."""
@@ -49,6 +51,8 @@ class _Launched:
     sample: PendingSample | None
     logits: torch.Tensor | None = None
     sampling: SamplingBatch | None = None
+    prompt: prompt_logprobs.PendingPromptLogprobs | None = None
+    prefill_only: list[Request] = dataclasses.field(default_factory=list)
 
 
 class Engine:
@@ -148,6 +152,11 @@ class Engine:
             # A grammar's mask depends on the tokens before each node too (one matcher per tree path).
             raise ValueError(f"with speculative decoding, grammars (json_schema, regex, ebnf, structural_tag) are not "
                              f"supported yet; drop {params.grammar[0]} or serve without speculative_algorithm")
+        if self.spec_worker is not None and params.prompt_logprobs is not None:
+            # A draft's DRAFT_EXTEND after each prefill chunk reads the token after it, which a prompt that
+            # is only scored never samples; scoring gains nothing from speculation anyway.
+            raise ValueError("with speculative decoding, prompt_logprobs are not supported; serve scoring "
+                             "requests without speculative_algorithm")
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt (text) or prompt_token_ids")
         if prompt is not None:
@@ -181,7 +190,7 @@ class Engine:
         if self.tokenizer is not None and params.stop_strs:
             # Stop strings need the text as it grows; other requests are detokenized once, at the end.
             self._texts[rid] = OutputText(self.tokenizer, ids, params)
-        if params.max_new_tokens == 0:
+        if params.max_new_tokens == 0 and params.prompt_logprobs is None:
             self.scheduler.finish(req, "length")
         elif grammar is not None and grammar.ended():  # a grammar of the empty string only
             self.scheduler.finish(req, "stop")
@@ -239,7 +248,7 @@ class Engine:
                 launched = self._launch(batch)
             if self._inflight is not None:
                 done += self._resolve()
-            if launched is not None and launched.sample is None:
+            if launched is not None and launched.sampling is not None:  # sampling left for the grammar masks
                 self._sample(launched)
             self._inflight = launched
             if launched is not None and self.config.scheduler.disable_overlap_schedule:
@@ -257,7 +266,8 @@ class Engine:
         arrive) with an error; the scheduler forgets the half-built step."""
         logger.exception("engine step failed; its requests finish with an error")
         message = f"{type(error).__name__}: {error}"
-        reqs = (batch.reqs if batch is not None else []) + (self._inflight.reqs if self._inflight else [])
+        inflight = self._inflight.reqs + self._inflight.prefill_only if self._inflight else []
+        reqs = (batch.reqs if batch is not None else []) + inflight
         self._inflight = None
         self.scheduler.kv.drain()  # writes and slots of a batch that never ran
         failed = []
@@ -307,22 +317,32 @@ class Engine:
         decoding refuses grammars)."""
         if self.draft_worker is not None:
             batch.capture_hidden = self.draft_worker.target_capture
+        asks = prompt_logprobs.plan(batch)
+        batch.full_logits = tuple(ask.index for ask in asks)
         out = self.runner.forward(batch)
+        prompt = prompt_logprobs.launch(out.logits, batch, asks) if asks else None
         rows = self.scheduler.sampling_rows(batch)
         sampled = [batch.reqs[i] for i in rows]
         launched = None
         if sampled:
+            logit_rows = rows
+            if asks:  # the logits hold every position of the scored chunks: take each request's last
+                spans = batch.logit_spans()
+                logit_rows = [spans[i][0] + spans[i][1] - 1 for i in rows]
             sampling = SamplingBatch.from_requests(sampled, self.vocab_size, self.eos_token_ids, self.device)
-            launched = _Launched(sampled, [], None, out.logits if len(rows) == len(batch.reqs) else out.logits[rows],
-                                 sampling)
+            logits = out.logits if len(logit_rows) == out.logits.shape[0] else out.logits[logit_rows]
+            launched = _Launched(sampled, [], None, logits, sampling)
             if self._inflight is not None and any(r.grammar is not None for r in sampled):
                 launched.futures = self.runner.future_tokens.reserve(len(sampled))
             else:
                 self._sample(launched)
         futures = launched.futures if launched is not None else []
-        self.scheduler.commit(batch, sampled, [[f] for f in futures])
+        prefill_only = self.scheduler.commit(batch, sampled, [[f] for f in futures])
         if self.draft_worker is not None:
             self.draft_worker.extend_after(batch, out, rows, futures)
+        if prompt is not None or prefill_only:
+            launched = launched or _Launched([], [], None)
+            launched.prompt, launched.prefill_only = prompt, prefill_only
         return launched
 
     def _sample(self, launched: _Launched) -> None:
@@ -362,19 +382,26 @@ class Engine:
     def _resolve(self) -> list[Request]:
         """Wait for the in-flight batch's tokens and apply them."""
         launched, self._inflight = self._inflight, None
-        out = launched.sample.result()
-        got = set(map(id, self.scheduler.resolve(launched.reqs, [[t] for t in out.token_ids],
-                                                 [[f] for f in launched.futures])))
         done = []
-        for req, logprob, top in zip(launched.reqs, out.logprobs, out.top_logprobs):
-            if id(req) not in got:
-                continue
-            done.append(req)
-            if logprob is not None:
-                req.output_logprobs.append(logprob)
-                req.output_top_logprobs.append(top)
-            self._advance_grammar(req)
-            self._check_stop_strings(req, len(req.output_ids) - 1)
+        if launched.sample is not None:
+            out = launched.sample.result()
+            got = set(map(id, self.scheduler.resolve(launched.reqs, [[t] for t in out.token_ids],
+                                                     [[f] for f in launched.futures])))
+            for req, logprob, top in zip(launched.reqs, out.logprobs, out.top_logprobs):
+                if id(req) not in got:
+                    continue
+                done.append(req)
+                if logprob is not None:
+                    req.output_logprobs.append(logprob)
+                    req.output_top_logprobs.append(top)
+                self._advance_grammar(req)
+                self._check_stop_strings(req, len(req.output_ids) - 1)
+        if launched.prompt is not None:
+            launched.prompt.apply()
+        for req in launched.prefill_only:
+            if not req.finished:  # an aborted one was reported when it was aborted
+                self.scheduler.finish(req, "length")
+                done.append(req)
         return done
 
     def step_deltas(self, touched: Iterable[str] = ()) -> list[tuple[Request, int]]:
@@ -489,6 +516,9 @@ class Engine:
         if req.spec_accept_counts:
             meta.update(spec_verify_ct=req.spec_rounds, spec_accept_length=req.spec_accept_length,
                         spec_accept_histogram=req.spec_accept_histogram)
+        if req.params.prompt_logprobs is not None:  # the first prompt token has nothing to be scored on
+            meta["prompt_token_logprobs"] = list(zip([None] + req.prompt_logprobs, req.prompt_ids))
+            meta["prompt_top_logprobs"] = [None] + req.prompt_top_logprobs
         return RequestOutput(text=text, token_ids=list(req.output_ids), meta=meta, finished=req.finished)
 
     # ---- lifecycle -----------------------------------------------------------------------------

@@ -36,11 +36,15 @@ class RequestKV:
     # ---- admission ------------------------------------------------------------------------------
     def match(self, req: Request) -> torch.Tensor:
         """Lock the longest cached prefix of req (at most len - 1 tokens: the last one must run to give
-        the next token's logits); returns its slots.
+        the next token's logits; with prompt logprobs, none of the positions still to score, which must
+        run to give theirs); returns its slots.
 
         With `recompute_last_match` (a feature draft, whose KV at position p depends on token p + 1, which
         the cached prefix does not fix for its last token) the last matched token is recomputed too."""
-        slots, node = self.radix.match_prefix(req.fill_ids[:-1])
+        end = len(req.prompt_ids) + len(req.output_ids) - 1
+        if req.params.prompt_logprobs is not None and req.prompt_logprob_len < len(req.prompt_ids) - 1:
+            end = min(end, req.prompt_logprob_len)
+        slots, node = self.radix.match_prefix(req.fill_ids[:end])
         if self.recompute_last_match and len(slots):
             slots, node = self.radix.match_prefix(req.fill_ids[:len(slots) - 1])
         self.radix.inc_lock_ref(node)

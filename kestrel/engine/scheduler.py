@@ -199,13 +199,16 @@ class Scheduler:
     # ---- after the forward ------------------------------------------------------------------
     def sampling_rows(self, batch: ScheduledBatch) -> list[int]:
         """Rows of the batch whose fill is complete after this forward: they get a token."""
-        return [i for i, r in enumerate(batch.reqs) if r.kv_len + r.extend_len >= r.seq_len]
+        return [i for i, r in enumerate(batch.reqs) if r.kv_len + r.extend_len >= r.seq_len and r.params.max_new_tokens]
 
-    def commit(self, batch: ScheduledBatch, sampled: list[Request], futures: list[list[int]]) -> None:
+    def commit(self, batch: ScheduledBatch, sampled: list[Request], futures: list[list[int]]) -> list[Request]:
         """Advance the batch's requests once its forward is launched: every new position now has KV.
         `sampled` got the pending tokens `futures` (FutureTokens indices). Requests that the pending
         tokens take to max_new_tokens or the context length leave the running queue now: they finish
-        when the tokens resolve."""
+        when the tokens resolve.
+
+        Returns the requests whose prefill ended with nothing to sample (max_new_tokens=0, run for their
+        prompt logprobs): they wait in `finishing` until the engine resolves this step."""
         for req in batch.reqs:
             req.kv_len += req.extend_len
             req.extend_len = 0
@@ -221,6 +224,10 @@ class Scheduler:
                 self.running.append(req)
         if len(self.finishing) > finishing:
             self.running = [r for r in self.running if r not in self.finishing]
+        prefill_only = [r for r in batch.reqs[:batch.num_prefill]
+                        if not r.params.max_new_tokens and r.kv_len >= r.seq_len]
+        self.finishing.update(prefill_only)
+        return prefill_only
 
     def keep_new_slots(self, req: Request, num_new: int, nodes: list[int]) -> None:
         """After a committed step of `num_new` new positions (a verify): keep the KV of new tokens

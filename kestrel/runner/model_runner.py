@@ -37,7 +37,7 @@ def layer_kernels(config: EngineConfig) -> Kernels:
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [N, vocab] float32: each request's last new token, or every new token
+    logits: torch.Tensor  # [N, vocab] float32 at the batch's `logit_rows()`
     hidden: torch.Tensor  # [N, hidden]: the final hidden state at the same rows
     captured: torch.Tensor | None  # [T, hidden * k]: the batch's `capture_hidden` layers, every new token
     token_hidden: torch.Tensor  # [T, hidden]: the final hidden state of every new token (EAGLE's features)
@@ -112,8 +112,7 @@ class ModelRunner:
         extend, prefix = batch.extend_lens, batch.prefix_lens
         seq = [p + e for p, e in zip(prefix, extend)]
         n, b = batch.num_tokens, batch.batch_size
-        ends = list(itertools.accumulate(extend))
-        rows = list(range(n)) if batch.logits_at_all_tokens else [e - 1 for e in ends]
+        rows = batch.logit_rows()
         small = torch.tensor(batch.input_ids + batch.positions + batch.req_pool_indices + seq + prefix + extend + rows,
                              dtype=torch.int64)
         writes, moves = batch.table_writes, batch.kv_moves
