@@ -126,13 +126,16 @@ class EngineLoop:
 
     def _delta(self, req: Request, start: int) -> TokenDelta:
         asked = req.params.logprobs is not None
+        prompt = start == 0 and req.params.prompt_logprobs is not None  # complete once a token or the end came
         return TokenDelta(
             rid=req.rid, token_ids=req.output_ids[start:],
             logprobs=req.output_logprobs[start:] if asked else None,
             top_logprobs=req.output_top_logprobs[start:] if asked else None,
             finished=req.finished, finish_reason=req.finish_reason, matched_stop=req.matched_stop, error=req.error,
             prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
-            spec_accept_histogram=req.spec_accept_histogram if req.finished and req.spec_accept_counts else None)
+            spec_accept_histogram=req.spec_accept_histogram if req.finished and req.spec_accept_counts else None,
+            prompt_logprobs=req.prompt_logprobs if prompt else None,
+            prompt_top_logprobs=req.prompt_top_logprobs if prompt else None)
 
     def _send_stats(self) -> None:
         self.outbox.send(self.engine.stats())

@@ -47,6 +47,8 @@ class Choice:
     matched_stop: int | str | None = None
     cached_tokens: int = 0
     spec_accept_histogram: list[int] | None = None
+    prompt_logprobs: list[float] | None = None  # params.prompt_logprobs: set with the choice's first update
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -106,6 +108,8 @@ class Generation:
             choice.token_ids += delta.token_ids
             choice.cached_tokens = delta.cached_tokens
             choice.spec_accept_histogram = delta.spec_accept_histogram or choice.spec_accept_histogram
+            if delta.prompt_logprobs is not None:
+                choice.prompt_logprobs, choice.prompt_top_logprobs = delta.prompt_logprobs, delta.prompt_top_logprobs
             if delta.logprobs is not None:
                 choice.logprobs += delta.logprobs
                 choice.top_logprobs += delta.top_logprobs or []

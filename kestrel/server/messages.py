@@ -75,6 +75,9 @@ class TokenDelta:
     token_ids: list[int]
     logprobs: list[float] | None = None  # one per token in token_ids, when logprobs were asked for
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # In a request's first delta, when prompt logprobs were asked for: one per prompt token after the first.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     matched_stop: int | str | None = None

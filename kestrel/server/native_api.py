@@ -2,11 +2,14 @@
 
 The answer is one object per prompt × n, or a list of them for a batch or n > 1. Each has `text`,
 `output_ids` and `meta_info` (id, prompt/completion/cached tokens, finish_reason, e2e_latency, and
-`output_token_logprobs` / `output_top_logprobs` as (logprob, token id, None) when `return_logprob`).
+`output_token_logprobs` / `output_top_logprobs` as (logprob, token id, None) when `return_logprob`;
+with `logprob_start_len` >= 0 also `input_token_logprobs` / `input_top_logprobs` of the prompt tokens
+from that position on, the first prompt token's logprob and top list being None).
 Streaming sends the same objects, with the text and ids so far, as server-sent events.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -31,7 +34,7 @@ def _finish_reason(c: Choice) -> dict[str, Any] | None:
     return {"type": c.finish_reason}
 
 
-def _output(gen: Generation, c: Choice, index: int | None) -> dict[str, Any]:
+def _output(gen: Generation, c: Choice, index: int | None, logprob_start_len: int) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": c.rid, "prompt_tokens": len(c.prompt_ids), "completion_tokens": len(c.token_ids),
         "cached_tokens": c.cached_tokens, "finish_reason": _finish_reason(c),
@@ -43,6 +46,12 @@ def _output(gen: Generation, c: Choice, index: int | None) -> dict[str, Any]:
     if c.params.logprobs is not None:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids)]
         meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in c.top_logprobs]
+    if c.prompt_logprobs is not None:  # asked through logprob_start_len, or as the prompt_logprobs sampling parameter
+        start = max(logprob_start_len, 0)
+        meta["input_token_logprobs"] = [[lp, t, None] for lp, t in
+                                        zip([None, *c.prompt_logprobs], c.prompt_ids)][start:]
+        meta["input_top_logprobs"] = [None if top is None else [[lp, t, None] for t, lp in top] for top in
+                                      [None, *(c.prompt_top_logprobs or [])]][start:]
     out = {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
     if index is not None:
         out["index"] = index
@@ -64,7 +73,12 @@ async def generate(state: ServerState, request: Request) -> Response:
         raise bad_request("the batch of prompts is empty", param)
     params, n, asked = native_sampling_params(body.sampling_params,
                                               body.top_logprobs_num if body.return_logprob else None)
-    base = validated(params, state.client.info.vocab_size, {})
+    if body.logprob_start_len < -1:
+        raise bad_request(f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position >= 0, got "
+                          f"{body.logprob_start_len}", "logprob_start_len")
+    if body.return_logprob and body.logprob_start_len >= 0:
+        params = dataclasses.replace(params, prompt_logprobs=body.top_logprobs_num)
+    base = validated(params, state.client.info.vocab_size, {"prompt_logprobs": "top_logprobs_num"})
     ticket = state.admit(len(given) * n, "sampling_params" if n > 1 else param)
     with ticket.released_on_error():
         prompts = await state.prompt_ids(ticket, given, param, body_bytes)
@@ -76,13 +90,13 @@ async def generate(state: ServerState, request: Request) -> Response:
 
     async def outputs() -> AsyncIterator[dict[str, Any]]:
         async for u in gen.updates():
-            yield _output(gen, gen.choices[u.index], u.index if many else None)
+            yield _output(gen, gen.choices[u.index], u.index if many else None, body.logprob_start_len)
 
     def events() -> AsyncIterator[bytes]:
         return sse_stream(outputs())
 
     def whole() -> Any:
-        outs = [_output(gen, c, None) for c in gen.choices]
+        outs = [_output(gen, c, None, body.logprob_start_len) for c in gen.choices]
         return outs if many else outs[0]
 
     return await respond(request, gen, body.stream, events, whole)

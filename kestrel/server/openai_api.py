@@ -1,6 +1,8 @@
 """`POST /v1/completions` and `POST /v1/chat/completions`, as the official `openai` client expects them."""
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -17,7 +19,7 @@ from kestrel.server.state import ServerState, parse_body, respond
 from kestrel.server.tool_parsers import ToolCallStream, parse_tool_calls
 from kestrel.server.tools import new_call_id, tool_use
 
-_API_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+_API_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "prompt_logprobs": "logprobs"}
 # OpenAI's default for /v1/completions; cut to the room the context leaves, as chat's default (all of
 # that room) is. Only an explicit max_tokens that does not fit is an error.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -25,7 +27,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 async def _events(gen: Generation, head: dict[str, Any], chunk_choice: Callable[[ChoiceUpdate], dict | None],
                   include_usage: bool, n: int, first: list[dict] | None = None) -> AsyncIterator[dict]:
-    """Chunk payloads: `first` choices (role / echo), one chunk per update worth sending, usage."""
+    """Chunk payloads: `first` choices (chat's role), one chunk per update worth sending, usage."""
     for choice in first or []:
         yield {**head, "choices": [choice]}
     async for update in gen.updates():
@@ -42,15 +44,26 @@ def _worth_sending(update: ChoiceUpdate) -> bool:
 
 
 # ---- /v1/completions ----------------------------------------------------------------------------
-def _completion_logprobs(state: ServerState, ids: list[int], logprobs: list[float],
-                         tops: list[list[tuple[int, float]]], offset: int) -> dict[str, Any]:
+def _completion_logprobs(state: ServerState, ids: list[int], logprobs: list[float | None],
+                         tops: list[list[tuple[int, float]] | None], offset: int) -> dict[str, Any]:
+    """OpenAI's legacy logprobs: top_logprobs maps token text to logprob, the chosen token included (so
+    up to logprobs + 1 entries, as OpenAI documents); the first prompt token has None for both."""
     tokens = [state.token_text(t) for t in ids]
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
-    return {"tokens": tokens, "token_logprobs": logprobs, "text_offset": offsets,
-            "top_logprobs": [{state.token_text(t): lp for t, lp in top} for top in tops]}
+    top_logprobs: list[dict[str, float] | None] = []
+    for token, chosen, top in zip(tokens, logprobs, tops):
+        entries = None if top is None else {state.token_text(t): lp for t, lp in top}
+        if entries is not None and chosen is not None:
+            entries.setdefault(token, chosen)
+        top_logprobs.append(entries)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top_logprobs,
+            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))[:len(tokens)]}
+
+
+def _joined(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Logprobs of the echoed prompt followed by those of the completion (either may be None)."""
+    if first is None or then is None:
+        return first or then
+    return {key: first[key] + then[key] for key in first}
 
 
 async def completions(state: ServerState, request: Request) -> Response:
@@ -60,7 +73,10 @@ async def completions(state: ServerState, request: Request) -> Response:
     texts, _ = prompt_list(body.prompt)
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     # Every range check before the (maybe long) tokenization; max_tokens again once prompt lengths are known.
-    base = validated(body.sampling_params(max_tokens, body.logprobs), state.client.info.vocab_size, _API_NAMES)
+    # echo with logprobs scores the prompt too (what evaluation harnesses read), from the prefill.
+    base = dataclasses.replace(body.sampling_params(max_tokens, body.logprobs),
+                               prompt_logprobs=body.logprobs if body.echo else None)
+    base = validated(base, state.client.info.vocab_size, _API_NAMES)
     ticket = state.admit(len(texts) * body.n, "n" if body.n > 1 else "prompt")
     with ticket.released_on_error():
         prompts = await state.prompt_ids(ticket, texts, "prompt", body_bytes)
@@ -73,6 +89,7 @@ async def completions(state: ServerState, request: Request) -> Response:
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": gen.created,
             "model": state.served_model_name}
     offsets = [len(e) for e in echo_of]  # text_offset of the next token, per choice
+    unechoed = set(range(len(echo_of)))  # streaming: the echo goes out with a choice's first update
 
     def logprobs_of(index: int, ids: list[int], lps: list[float] | None, tops: list | None) -> dict | None:
         if lps is None:
@@ -81,22 +98,35 @@ async def completions(state: ServerState, request: Request) -> Response:
         offsets[index] += sum(len(t) for t in out["tokens"])
         return out
 
-    def chunk_choice(u: ChoiceUpdate) -> dict | None:
-        if not _worth_sending(u):
+    def echo_logprobs(c: Choice) -> dict | None:
+        """The prompt tokens' logprobs; the completion's text offsets then continue after their text (as
+        vLLM counts them: the tokens' texts, a BOS included, need not spell the echoed prompt)."""
+        if c.prompt_logprobs is None:
             return None
-        return {"index": u.index, "text": u.text, "finish_reason": u.finish_reason,
-                "logprobs": logprobs_of(u.index, u.token_ids, u.logprobs, u.top_logprobs),
+        out = _completion_logprobs(state, c.prompt_ids, [None, *c.prompt_logprobs],
+                                   [None, *(c.prompt_top_logprobs or [])], 0)
+        offsets[c.index] = sum(len(t) for t in out["tokens"])
+        return out
+
+    def chunk_choice(u: ChoiceUpdate) -> dict | None:
+        first = u.index in unechoed
+        unechoed.discard(u.index)
+        echo = echo_of[u.index] if first else ""
+        prompt_lps = echo_logprobs(gen.choices[u.index]) if first and body.echo else None
+        if not echo and prompt_lps is None and not _worth_sending(u):
+            return None
+        lps = _joined(prompt_lps, logprobs_of(u.index, u.token_ids, u.logprobs, u.top_logprobs))
+        return {"index": u.index, "text": echo + u.text, "finish_reason": u.finish_reason, "logprobs": lps,
                 "matched_stop": gen.choices[u.index].matched_stop if u.finish_reason else None}
 
     def events() -> AsyncIterator[bytes]:
-        first = [{"index": i, "text": e, "finish_reason": None, "logprobs": None}
-                 for i, e in enumerate(echo_of) if e]
-        return sse_stream(_events(gen, head, chunk_choice, body.include_usage(), body.n, first))
+        return sse_stream(_events(gen, head, chunk_choice, body.include_usage(), body.n))
 
     def final(c: Choice) -> dict[str, Any]:
-        lps = c.logprobs if c.params.logprobs is not None else None
+        prompt_lps = echo_logprobs(c) if body.echo else None
+        lps = logprobs_of(c.index, c.token_ids, c.logprobs if c.params.logprobs is not None else None, c.top_logprobs)
         return {"index": c.index, "text": echo_of[c.index] + c.text, "finish_reason": c.finish_reason,
-                "logprobs": logprobs_of(c.index, c.token_ids, lps, c.top_logprobs), "matched_stop": c.matched_stop}
+                "logprobs": _joined(prompt_lps, lps), "matched_stop": c.matched_stop}
 
     return await respond(request, gen, body.stream, events,
                          lambda: {**head, "choices": [final(c) for c in gen.choices], "usage": gen.usage(body.n)})

@@ -115,9 +115,6 @@ class CompletionRequest(_OpenAISampling):
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of is not supported (it may only equal n)", "best_of")
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs needs prompt logprobs, which kestrel does not compute; "
-                              "drop one of them", "echo")
 
 
 class ToolFunction(_Body):
@@ -171,6 +168,7 @@ class GenerateRequest(_Body):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # with return_logprob, >= 0: the prompt's logprobs from this position on
 
 
 # ---- prompts ------------------------------------------------------------------------------------

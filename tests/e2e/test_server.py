@@ -155,7 +155,48 @@ def test_logprobs_and_echo(client):
     plain = client.completions.create(prompt="Hello", **greedy(4))
     assert echoed.choices[0].text == "Hello" + plain.choices[0].text
     chunks = list(client.completions.create(prompt="Hello", echo=True, stream=True, **greedy(4)))
-    assert chunks[0].choices[0].text == "Hello"
+    assert chunks[0].choices[0].text.startswith("Hello")  # the echo rides on the first chunk
+    assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_the_offline_engine(client, http, offline):
+    """What evaluation harnesses (lm-eval's local-completions) send: echo, logprobs and max_tokens 0 or 1;
+    the prompt's logprobs come from the prefill, even for a prompt the radix cache holds."""
+    prompt = "def fibonacci(n):"
+    ids = offline.tokenizer.encode(prompt)
+    (expected,) = offline.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_new_tokens=0,
+                                                                                           prompt_logprobs=2))
+    want = [lp for lp, _ in expected.meta["prompt_token_logprobs"][1:]]
+    best = [top[0][1] for top in expected.meta["prompt_top_logprobs"][1:]]
+    client.completions.create(prompt=prompt, **greedy(2))  # now in the radix cache
+    for max_tokens in (0, 3):
+        out = client.completions.create(prompt=prompt, echo=True, logprobs=2, **greedy(max_tokens))
+        choice, lp = out.choices[0], out.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:len(ids)] == pytest.approx(want, abs=1e-4)
+        for token, chosen, top, top1 in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], best):
+            assert top[token] == chosen and len(top) <= 3 and max(top.values()) == pytest.approx(top1, abs=1e-4)
+        assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+        assert choice.text.startswith(prompt) and choice.finish_reason == "length"
+        assert out.usage.completion_tokens == max_tokens and out.usage.prompt_tokens_details.cached_tokens == 0
+    chunks = list(client.completions.create(prompt=prompt, echo=True, logprobs=2, stream=True, **greedy(3)))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    # lm-eval's own request: token ids in a batch of one, max_tokens 1; it sums token_logprobs[ctxlen:-1].
+    harness = http.post("/v1/completions", json={"model": NAME, "prompt": [ids], "max_tokens": 1, "echo": True,
+                                                 "logprobs": 1, "temperature": 0}).json()
+    assert harness["choices"][0]["logprobs"]["token_logprobs"][1:-1] == pytest.approx(want, abs=1e-4)
+    # SGLang's native spelling: logprob_start_len picks where the prompt's logprobs start.
+    native = http.post("/generate", json={"input_ids": ids, "return_logprob": True, "logprob_start_len": 2,
+                                          "top_logprobs_num": 1, "sampling_params": {"max_new_tokens": 0}}).json()
+    entries = native["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in entries] == ids[2:] and [lp for lp, _, _ in entries] == pytest.approx(want[1:], abs=1e-4)
+    assert [len(top) for top in native["meta_info"]["input_top_logprobs"]] == [1] * (len(ids) - 2)
+    bad = http.post("/generate", json={"input_ids": ids, "return_logprob": True, "logprob_start_len": -2})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprob_start_len"
 
 
 def test_models_health_and_native_generate(client, http, offline):
@@ -219,7 +260,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": "x", "stop": 7}, "stop"),
     ("/v1/completions", {"prompt": "x", "seed": "abc"}, "seed"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "hello world " * 600}, "prompt"),  # longer than the 1024-token context
     ("/v1/completions", {"prompt": [3, 4, 100000]}, "prompt"),  # token id outside the vocabulary
     ("/v1/completions", {"prompt": []}, "prompt"),
