@@ -11,7 +11,8 @@ from kestrel.config import SECTIONS, EngineConfig
 
 # Flags whose help is worth more than the field name.
 HELP = {
-    "model": "Hugging Face model folder, or a bundled model: demo (default), demo-draft",
+    "model": "Hugging Face model folder, a GGUF file (or a folder holding one), or a bundled model: demo (default), "
+             "demo-draft",
     "device": "auto, cpu or cuda",
     "dtype": "auto, float32, float16 or bfloat16",
     "max_total_tokens": "KV pool size in tokens (default: from GPU memory; 32768 on CPU)",
@@ -76,7 +77,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     with Engine(config=config_from_args(args)) as engine:
-        out = engine.generate(args.prompt, params)[0]
+        out = engine.generate(args.prompt, params, use_tqdm=False)[0]  # one prompt: no bar
     print(out.text)
     return 0
 

@@ -17,7 +17,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = "demo"  # a Hugging Face model folder, or a bundled model's name (kestrel.assets)
+    model: str = "demo"  # a Hugging Face model folder, a GGUF file (or a folder of one), or a bundled model's name
     tokenizer: str | None = None  # defaults to the model folder
     dtype: str = "auto"
     load_format: str = "auto"
@@ -269,7 +269,12 @@ def _check_library_floors(floors: dict[str, str]) -> None:
 
 
 def read_hf_config(model: str) -> dict[str, Any]:
+    """config.json of a Hugging Face folder, or its equivalent for a GGUF file (kestrel.models.gguf)."""
+    from kestrel.models.gguf import gguf_file, read_gguf_config
+
+    if (gguf := gguf_file(model)) is not None:
+        return read_gguf_config(gguf)
     path = Path(model) / "config.json"
     if not path.is_file():
-        raise ValueError(f"model {model!r} is not a Hugging Face model folder: {path} not found")
+        raise ValueError(f"model {model!r} is not a Hugging Face model folder (nor a GGUF file): {path} not found")
     return json.loads(path.read_text())

@@ -2,6 +2,9 @@
 
     python -m kestrel.bench.one_batch --model kestrel/assets/configs/llama-3.1-8b --load-format dummy \
         --batch-size 1 --input-len 128 --output-len 128
+
+Several `--batch-size` values run one after the other; `--plot PATH` draws their throughput and decode
+step latencies as a PNG.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import time
 import torch
 
 from kestrel.bench.common import copy_bandwidth, median, now, random_prompts, report, weight_bytes
+from kestrel.bench.plot import check_plot_available, plot_sweep
 from kestrel.cli import add_engine_flags, config_from_args, configure_logging
 from kestrel.core.sampling_params import SamplingParams
 
@@ -58,35 +62,25 @@ def run(engine, batch_size: int, input_len: int, output_len: int, seed: int = 0)
     return {"prefill_s": prefill, "decode_steps_s": steps}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_flags(parser)
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--json", default=None, help="write the result here")
-    args = parser.parse_args(argv)
-    configure_logging(args.log_level)
-    from kestrel.engine.engine import Engine
-
-    engine = Engine(config=config_from_args(args))
+def measure(engine, args: argparse.Namespace, batch_size: int,
+            bandwidth: float | None) -> tuple[dict, list[float]]:
+    """One batch size: the summary (JSON) and its decode step times (seconds); `bandwidth` is the device's
+    measured copy bandwidth (None on CPU)."""
     device = engine.device
-    run(engine, args.batch_size, args.input_len, min(args.output_len, 8))  # warm-up
     timer = ForwardTimer(engine.runner)
-    result = run(engine, args.batch_size, args.input_len, args.output_len, seed=1)
+    result = run(engine, batch_size, args.input_len, args.output_len, seed=1)
     step = median(result["decode_steps_s"])
     forward_ms = timer.take_ms() if device.type == "cuda" else []
     # The first timed forward(s) are the prefill; the decode forwards follow one per step.
     decode_gpu = median(forward_ms[-len(result["decode_steps_s"]):]) / 1e3 if forward_ms else None
     wbytes = weight_bytes(engine.runner.model)
-    bandwidth = copy_bandwidth(device)
     floor = wbytes / bandwidth if bandwidth else None
     summary = {
         "model": engine.config.model.model, "device": str(device), "dtype": engine.config.model.dtype,
-        "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
+        "batch_size": batch_size, "input_len": args.input_len, "output_len": args.output_len,
         "prefill_latency_s": result["prefill_s"],
-        "prefill_tok_per_s": args.batch_size * args.input_len / result["prefill_s"],
-        "decode_step_median_s": step, "decode_tok_per_s": args.batch_size / step,
+        "prefill_tok_per_s": batch_size * args.input_len / result["prefill_s"],
+        "decode_step_median_s": step, "decode_tok_per_s": batch_size / step,
         "weight_bytes": wbytes, "copy_bandwidth_bytes_per_s": bandwidth, "decode_floor_s": floor,
         "decode_fraction_of_floor": floor / step if floor else None,
         "decode_forward_gpu_median_s": decode_gpu,
@@ -94,8 +88,15 @@ def main(argv: list[str] | None = None) -> None:
         "attention_backend": engine.runner.attn_backend.name,
         "cuda_graphs": bool(engine.runner.cuda_graphs),
     }
-    rows = [("batch size / input / output", f"{args.batch_size} / {args.input_len} / {args.output_len}"),
-            ("prefill latency (ms)", result["prefill_s"] * 1e3),
+    return summary, result["decode_steps_s"]
+
+
+def rows_of(summary: dict) -> list[tuple[str, object]]:
+    step, decode_gpu, floor = summary["decode_step_median_s"], summary["decode_forward_gpu_median_s"], \
+        summary["decode_floor_s"]
+    rows = [("batch size / input / output", f"{summary['batch_size']} / {summary['input_len']} / "
+                                             f"{summary['output_len']}"),
+            ("prefill latency (ms)", summary["prefill_latency_s"] * 1e3),
             ("prefill throughput (tok/s)", summary["prefill_tok_per_s"]),
             ("decode step, median (ms)", step * 1e3),
             ("decode throughput (tok/s)", summary["decode_tok_per_s"])]
@@ -105,7 +106,38 @@ def main(argv: list[str] | None = None) -> None:
     if floor:
         rows += [("floor: weights / copy bw (ms)", floor * 1e3),
                  ("decode vs floor", f"{100 * floor / step:.1f}% of the floor")]
-    report("one-batch", rows, summary, args.json)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_flags(parser)
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1],
+                        help="one or more batch sizes, each run in turn")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--json", default=None, help="write the result here (a list under 'runs' for several batch sizes)")
+    parser.add_argument("--plot", default=None, help="draw throughput and decode-step latency per batch size as a PNG here")
+    args = parser.parse_args(argv)
+    check_plot_available(args.plot)
+    configure_logging(args.log_level)
+    from kestrel.engine.engine import Engine
+
+    engine = Engine(config=config_from_args(args))
+    run(engine, args.batch_size[0], args.input_len, min(args.output_len, 8))  # warm-up
+    bandwidth = copy_bandwidth(engine.device)
+    runs = [measure(engine, args, bs, bandwidth) for bs in args.batch_size]
+    summaries = [summary for summary, _ in runs]
+    for i, summary in enumerate(summaries):
+        last = i == len(summaries) - 1
+        report("one-batch", rows_of(summary), summary if len(summaries) == 1 else {"runs": summaries},
+               args.json if last else None)
+    if args.plot:
+        plot_sweep(args.plot, f"one batch: {summaries[0]['model']} ({summaries[0]['device']}, input "
+                              f"{args.input_len}, output {args.output_len})", "batch size", args.batch_size,
+                   {"decode": [s["decode_tok_per_s"] for s in summaries],
+                    "prefill": [s["prefill_tok_per_s"] for s in summaries]},
+                   {"decode step": [[t * 1e3 for t in steps] for _, steps in runs]})
     engine.shutdown()
 
 

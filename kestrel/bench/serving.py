@@ -7,7 +7,8 @@
 Requests go to the native `/generate` endpoint as token ids (no tokenizer needed), streamed, greedy,
 ignore_eos. Random ids are drawn below the server's vocabulary size, read from its `/server_info`
 (`--vocab-size` instead, for a server without one). Reports throughput, TTFT, inter-token latency
-(ITL) and end-to-end latency (median, p99).
+(ITL) and end-to-end latency (median, p99). Several `--max-concurrency` values run one after the other;
+`--plot PATH` draws throughput against concurrency and the latency distributions as a PNG.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import random
 import time
 
 from kestrel.bench.common import median, percentile, report, workload
+from kestrel.bench.plot import check_plot_available, plot_sweep
 
 
 async def one_request(client, url: str, prompt: list[int], output_len: int, headers: dict) -> dict:
@@ -61,18 +63,20 @@ async def server_vocab_size(client, base_url: str, headers: dict) -> int:
     return vocab_size
 
 
-async def run(args: argparse.Namespace) -> dict:
+async def run(args: argparse.Namespace, concurrency: int | None, seed: int) -> tuple[dict, dict[str, list[float]]]:
+    """One run at `concurrency` (None: every request at once) of prompts drawn with `seed`: the summary,
+    and the raw TTFT, ITL and end-to-end latencies (seconds)."""
     import httpx
 
     base_url = args.base_url.rstrip("/")
     url = base_url + "/generate"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limit = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
+    limit = asyncio.Semaphore(concurrency or args.num_prompts)
     timeout = httpx.Timeout(None, connect=10.0)
 
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
         vocab_size = args.vocab_size or await server_vocab_size(client, base_url, headers)
-        rng = random.Random(args.seed)
+        rng = random.Random(seed)
         prompts, out_lens = workload(args.num_prompts, args.random_input_len, args.random_output_len,
                                      args.random_range_ratio, vocab_size, rng)
         in_tokens = sum(map(len, prompts))
@@ -97,14 +101,14 @@ async def run(args: argparse.Namespace) -> dict:
     assert out_tokens == sum(out_lens), "every request must produce its full output (ignore_eos)"
     ms = 1e3
     return {
-        "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
+        "num_prompts": args.num_prompts, "max_concurrency": concurrency, "request_rate": args.request_rate,
         "elapsed_s": elapsed, "output_tok_per_s": out_tokens / elapsed,
         "total_tok_per_s": (out_tokens + in_tokens) / elapsed, "request_per_s": args.num_prompts / elapsed,
         "ttft_median_ms": median(ttft) * ms, "ttft_p99_ms": percentile(ttft, 99) * ms,
         "itl_median_ms": median(itl) * ms, "itl_p99_ms": percentile(itl, 99) * ms,
         "e2e_median_ms": median(e2e) * ms, "e2e_p99_ms": percentile(e2e, 99) * ms,
         "input_tokens": in_tokens, "output_tokens": out_tokens,
-    }
+    }, {"ttft": ttft, "itl": itl, "e2e": e2e}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:30000")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--num-prompts", type=int, default=200)
-    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--max-concurrency", type=int, nargs="+", default=[None],
+                        help="requests in flight at most (default: all at once); several values run in turn")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
     parser.add_argument("--random-input-len", type=int, default=1000)
     parser.add_argument("--random-output-len", type=int, default=500)
@@ -120,14 +125,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="random token ids are drawn below this (default: the server's, from /server_info)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", default=None, help="write the result here (a list under 'runs' for several "
+                                                     "concurrencies)")
+    parser.add_argument("--plot", default=None, help="draw throughput and latency distributions per concurrency "
+                                                     "as a PNG here")
     args = parser.parse_args(argv)
-    result = asyncio.run(run(args))
-    rows = [("prompts / concurrency", f"{args.num_prompts} / {args.max_concurrency or 'unlimited'}"),
-            ("output tok/s", result["output_tok_per_s"]), ("requests/s", result["request_per_s"])]
-    rows += [(f"{k.replace('_', ' ')}", result[k]) for k in
-             ("ttft_median_ms", "ttft_p99_ms", "itl_median_ms", "itl_p99_ms", "e2e_median_ms", "e2e_p99_ms")]
-    report("serving", rows, result, args.json)
+    check_plot_available(args.plot)
+    # Each concurrency draws its own prompts, so that none finds the previous run's in the radix cache.
+    runs = [asyncio.run(run(args, c, args.seed + i)) for i, c in enumerate(args.max_concurrency)]
+    results = [result for result, _ in runs]
+    for i, result in enumerate(results):
+        rows = [("prompts / concurrency", f"{args.num_prompts} / {result['max_concurrency'] or 'unlimited'}"),
+                ("output tok/s", result["output_tok_per_s"]), ("requests/s", result["request_per_s"])]
+        rows += [(f"{k.replace('_', ' ')}", result[k]) for k in
+                 ("ttft_median_ms", "ttft_p99_ms", "itl_median_ms", "itl_p99_ms", "e2e_median_ms", "e2e_p99_ms")]
+        report("serving", rows, result if len(results) == 1 else {"runs": results},
+               args.json if i == len(results) - 1 else None)
+    if args.plot:
+        loads = [c or args.num_prompts for c in args.max_concurrency]  # unlimited: every request at once
+        plot_sweep(args.plot, f"serving {args.base_url}: {args.num_prompts} prompts, input {args.random_input_len}, "
+                              f"output {args.random_output_len}", "max concurrency", loads,
+                   {"output": [r["output_tok_per_s"] for r in results],
+                    "total": [r["total_tok_per_s"] for r in results]},
+                   {name: [[t * 1e3 for t in raw[key]] for _, raw in runs]
+                    for name, key in (("TTFT", "ttft"), ("inter-token latency", "itl"), ("end to end", "e2e"))})
 
 
 if __name__ == "__main__":

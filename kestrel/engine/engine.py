@@ -27,6 +27,7 @@ from kestrel.engine.sampler import PendingSample, Sampler, SamplingBatch
 from kestrel.engine.scheduler import Scheduler
 from kestrel.engine.tokenizer import eos_token_ids, load_tokenizer
 from kestrel.models.loader import load_model
+from kestrel.progress import progress_bar
 from kestrel.quant.kv import kv_cache_dtype
 from kestrel.runner.future_tokens import FutureTokens
 from kestrel.runner.model_runner import ModelRunner, layer_kernels, triton_on_device
@@ -463,8 +464,10 @@ class Engine:
 
     def generate(self, prompts: str | list[str] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 prompt_token_ids: list[int] | list[list[int]] | None = None) -> list[RequestOutput]:
-        """Run prompts (text, or token ids) to completion; outputs in input order."""
+                 prompt_token_ids: list[int] | list[list[int]] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts (text, or token ids) to completion; outputs in input order. `use_tqdm`: a progress
+        bar of finished prompts, drawn only when stderr is a terminal."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompts or prompt_token_ids")
         if prompts is not None:
@@ -484,8 +487,11 @@ class Engine:
                 self.abort(rid)
                 self.pop(rid)
             raise
-        while not all(self._reqs[rid].finished for rid in rids):
-            self.step()
+        with progress_bar(len(rids), "Processed prompts", "prompt", enabled=use_tqdm) as bar:
+            while (done := sum(self._reqs[rid].finished for rid in rids)) < len(rids):
+                bar.update(done - bar.n)
+                self.step()
+            bar.update(done - bar.n)
         return [self.output(self.pop(rid)) for rid in rids]
 
     def pop(self, rid: str) -> Request:

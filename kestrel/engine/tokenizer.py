@@ -17,13 +17,17 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def load_tokenizer(path: str, required: bool = True) -> PreTrainedTokenizerBase | None:
-    """Load the tokenizer saved in `path` (a local model folder).
+    """Load the tokenizer saved in `path` (a local model folder, or a GGUF file: transformers builds the
+    tokenizer and its chat template from the file's metadata).
 
     Returns None only when `required` is False and the folder has no tokenizer files; a folder
     that has them but fails to load always raises, so a broken tokenizer is never silently ignored.
     """
+    from kestrel.models.gguf import gguf_file
+
+    gguf = gguf_file(path)
     folder = Path(path)
-    if folder.is_dir() and not any((folder / name).exists() for name in _TOKENIZER_FILES):
+    if gguf is None and folder.is_dir() and not any((folder / name).exists() for name in _TOKENIZER_FILES):
         if not required:
             return None
         raise FileNotFoundError(
@@ -35,6 +39,8 @@ def load_tokenizer(path: str, required: bool = True) -> PreTrainedTokenizerBase 
     from transformers import AutoTokenizer
 
     try:
+        if gguf is not None:
+            return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"could not load the tokenizer from {path}: {e}") from e

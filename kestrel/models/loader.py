@@ -1,4 +1,4 @@
-"""HF checkpoint directory (config.json + safetensors, single or sharded) -> model on a device."""
+"""HF checkpoint directory (config.json + safetensors, single or sharded) or GGUF file -> model on a device."""
 from __future__ import annotations
 
 import contextlib
@@ -11,7 +11,9 @@ from safetensors import safe_open
 from torch import nn
 
 from kestrel.layers.kernels import Kernels
+from kestrel.models.gguf import gguf_file, gguf_tensors, read_gguf_config
 from kestrel.models.registry import model_class
+from kestrel.progress import progress_bar
 from kestrel.quant.resolve import checkpoint_quantization
 
 # Buffers some checkpoints store that kestrel recomputes (rope frequencies).
@@ -19,6 +21,8 @@ _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def read_config(model_path: str | Path) -> dict:
+    if (gguf := gguf_file(model_path)) is not None:
+        return read_gguf_config(gguf)
     path = Path(model_path) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found; model_path must be a HF model directory")
@@ -66,7 +70,8 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
             _fill_random(model)
         return _quantized(model, quantization, kernels).eval()
     if own_loader:
-        model.load_checkpoint(_checkpoint_tensors(Path(model_path)), str(model_path))
+        with progress_bar(None, "Loading weights", "tensor") as bar:  # its own loader: no count known ahead
+            model.load_checkpoint(_counted(_checkpoint_tensors(Path(model_path)), bar), str(model_path))
         return model.eval()
 
     def skip(name: str) -> bool:
@@ -77,7 +82,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
         from kestrel.quant.linears import use_checkpoint_fp8_linears
 
         use_checkpoint_fp8_linears(model, checkpoint_names(model_path), kernels.triton_fp8)
-    copy_checkpoint(model, model_path, cfg.architecture, skip)
+    copy_checkpoint(model, model_path, cfg.architecture, skip, hf_config=config)
     return _quantized(model, quantization if stored is None else None, kernels).eval()
 
 
@@ -91,15 +96,16 @@ def _quantized(model: nn.Module, quantization: str | None, kernels: Kernels) -> 
 
 
 def copy_checkpoint(model: nn.Module, model_path: str | Path, what: str, skip: Callable[[str], bool] = lambda n: False,
-                    rename: Callable[[str], str] = lambda n: n) -> None:
+                    rename: Callable[[str], str] = lambda n: n, hf_config: dict | None = None) -> None:
     """Copy every checkpoint tensor into the parameter or persistent buffer of the same name (after
     `rename`), except names `skip` accepts. Raises ValueError listing missing or unexpected names,
-    so a checkpoint loads whole or not at all."""
+    so a checkpoint loads whole or not at all. `hf_config`: the model's config, if read already."""
     params = dict(model.state_dict(keep_vars=True))
+    expected = _expected_keys(model, params)
     loaded: set[str] = set()
     unexpected: list[str] = []
-    with torch.no_grad():
-        for name, tensor in _checkpoint_tensors(Path(model_path)):
+    with torch.no_grad(), progress_bar(len(expected), "Loading weights", "tensor") as bar:
+        for name, tensor in _checkpoint_tensors(Path(model_path), hf_config=hf_config):
             if skip(name):
                 continue
             target, rows = _destination(model, params, rename(name))
@@ -110,7 +116,8 @@ def copy_checkpoint(model: nn.Module, model_path: str | Path, what: str, skip: C
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(rows.shape)}")
             rows.copy_(tensor)  # casts to the model dtype and moves to its device
             loaded.add(target)
-    missing = sorted(_expected_keys(model, params) - loaded)
+            bar.update()
+    missing = sorted(expected - loaded)
     if missing or unexpected:
         raise ValueError(f"checkpoint at {model_path} does not match {what}: "
                          f"missing {missing}, unexpected {sorted(unexpected)}")
@@ -153,6 +160,12 @@ def _expected_keys(model: nn.Module, params: dict[str, torch.Tensor]) -> set[str
     return keys
 
 
+def _counted(tensors: Iterator[tuple[str, torch.Tensor]], bar) -> Iterator[tuple[str, torch.Tensor]]:
+    for item in tensors:
+        yield item
+        bar.update()
+
+
 def _fill_random(model: nn.Module) -> None:
     """Small random weights (norm weights 1, biases 0), the same on every load: a fixed-seed generator."""
     device = next(model.parameters()).device
@@ -175,9 +188,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _checkpoint_tensors(model_path: Path, load: bool = True) -> Iterator[tuple[str, torch.Tensor | None]]:
-    """(name, CPU tensor) for every tensor in `model.safetensors` or the shards of its index; with
-    `load=False` the tensors are not read (None)."""
+def _checkpoint_tensors(model_path: Path, load: bool = True,
+                        hf_config: dict | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """(name, CPU tensor) for every tensor in `model.safetensors` or the shards of its index (or of a
+    GGUF file, dequantized; `hf_config` spares reading its metadata again); with `load=False` the
+    tensors are not read (None)."""
+    if (gguf := gguf_file(model_path)) is not None:
+        yield from gguf_tensors(gguf, hf_config or read_gguf_config(gguf), load)
+        return
     for file in _checkpoint_files(model_path):
         with safe_open(str(model_path / file), framework="pt") as f:
             for name in f.keys():

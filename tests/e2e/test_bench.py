@@ -8,6 +8,18 @@ from kestrel.cli import main
 from tests.e2e.server_process import ServerProcess
 
 
+def assert_png(path, panels: int) -> None:
+    """A PNG that decodes, as wide as its panels, and not blank."""
+    from PIL import Image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with Image.open(path) as image:
+        image.verify()
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.width >= 400 * panels and image.height >= 300
+        assert len(image.convert("L").getcolors(maxcolors=1 << 16) or range(1 << 16)) > 16
+
+
 def test_random_dataset_lengths_follow_sglang_semantics():
     import random
 
@@ -34,6 +46,12 @@ def test_one_batch_and_offline_benchmarks(tiny_model, tmp_path, capsys):
     assert sum(s["tokens"] for s in steps.values()) == offline["kestrel"]["input_tokens"] + \
         offline["kestrel"]["output_tokens"] - 5  # the last token of each of the 5 prompts is never fed back
     assert "kestrel / transformers" in capsys.readouterr().out
+    # A sweep of batch sizes: one run each in the JSON, and their plot.
+    assert main(["bench", "one-batch", *flags, "--batch-size", "1", "3", "--input-len", "8", "--output-len", "4",
+                 "--json", str(tmp_path / "sweep.json"), "--plot", str(tmp_path / "one.png")]) == 0
+    sweep = json.loads((tmp_path / "sweep.json").read_text())["runs"]
+    assert [r["batch_size"] for r in sweep] == [1, 3] and all(r["decode_tok_per_s"] > 0 for r in sweep)
+    assert_png(tmp_path / "one.png", panels=2)
 
 
 def test_serving_benchmark_against_a_live_server_learns_its_vocabulary(tiny_model, tmp_path, capsys):
@@ -46,7 +64,23 @@ def test_serving_benchmark_against_a_live_server_learns_its_vocabulary(tiny_mode
                      "--json", str(tmp_path / "serving.json")]) == 0
         assert main(["bench", "serving", "--base-url", server.url, "--num-prompts", "2"]) == 2  # no key
         assert "pass --vocab-size, or --api-key" in capsys.readouterr().err
+        assert main(["bench", "serving", "--base-url", server.url, "--api-key", "sk-bench", "--num-prompts", "4",
+                     "--max-concurrency", "1", "4", "--random-input-len", "10", "--random-output-len", "4",
+                     "--json", str(tmp_path / "sweep.json"), "--plot", str(tmp_path / "serving.png")]) == 0
     finally:
         assert server.stop() == 0
     result = json.loads((tmp_path / "serving.json").read_text())
     assert result["output_tokens"] > 0 and result["itl_median_ms"] > 0 and result["ttft_p99_ms"] > 0
+    sweep = json.loads((tmp_path / "sweep.json").read_text())["runs"]
+    assert [r["max_concurrency"] for r in sweep] == [1, 4] and all(r["output_tok_per_s"] > 0 for r in sweep)
+    assert_png(tmp_path / "serving.png", panels=4)
+
+
+def test_plot_without_matplotlib_fails_before_the_benchmark_runs(monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else
+                        find_spec(name, *a))
+    assert main(["bench", "serving", "--base-url", "http://127.0.0.1:9", "--plot", "x.png"]) == 2
+    assert "--plot needs matplotlib: pip install 'kestrel[plot]'" in capsys.readouterr().err
