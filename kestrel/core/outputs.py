@@ -10,8 +10,10 @@ class RequestOutput:
     """The generated part of one request.
 
     meta keys: id, prompt_tokens, completion_tokens, cached_tokens, finish_reason
-    ("stop" | "length" | "abort" | "error"; then `error` holds the message), matched_stop (token id or string that stopped it, or None), and
-    output_token_logprobs / output_top_logprobs when logprobs were asked for.
+    ("stop" | "length" | "abort" | "error"; then `error` holds the message), matched_stop (token id or string that stopped it, or None),
+    output_token_logprobs / output_top_logprobs ((logprob, token id) pairs; lists of (token id, logprob))
+    when logprobs were asked for, and prompt_token_logprobs / prompt_top_logprobs, the same for every
+    prompt token (the first one's logprob and top list are None), when prompt_logprobs were.
     """
 
     text: str

@@ -10,6 +10,7 @@ runs dequantized, so the quantization only saves disk, and the weights equal wha
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,8 @@ def read_gguf_config(file: Path) -> dict[str, Any]:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    if importlib.util.find_spec("gguf") is None:
+        raise ValueError(f"{file} is a GGUF file, which needs the gguf package: pip install 'kestrel[gguf]'")
     try:
         parsed = dict(_metadata(str(file))["config"])
         config = AutoConfig.for_model(parsed.pop("model_type"), **parsed).to_dict()

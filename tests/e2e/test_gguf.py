@@ -117,3 +117,13 @@ def test_gguf_paths_resolve_or_say_what_is_wrong(tmp_path):
         gguf_file(two)
     with pytest.raises(ValueError, match="cannot read the GGUF file"):
         read_hf_config(str(lone / "model.gguf"))
+
+
+def test_a_gguf_file_without_the_gguf_package_says_which_extra_to_install(tmp_path, monkeypatch):
+    import importlib.util
+
+    (tmp_path / "model.gguf").write_bytes(b"")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"needs the gguf package: pip install 'kestrel\[gguf\]'"):
+        read_hf_config(str(tmp_path))
