@@ -125,3 +125,6 @@ def test_bad_prompt_logprobs_raise_and_a_one_token_prompt_has_only_none(model):
                                                                                                prompt_logprobs=0))
         assert [len(top) for top in out.meta["prompt_top_logprobs"][1:]] == [0, 0]
         assert_pool_full(engine)
+    with Engine(model=model, device="cpu", dtype="float32", speculative_algorithm="NGRAM") as spec:
+        with pytest.raises(ValueError, match="with speculative decoding, prompt_logprobs are not supported"):
+            spec.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(prompt_logprobs=1))
