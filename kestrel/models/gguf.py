@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 SUFFIX = ".gguf"
 
@@ -101,6 +104,10 @@ def gguf_tensors(file: Path, hf_config: dict[str, Any], load: bool = True) -> It
     names = _hf_names(architecture, hf_config)
     for tensor in reader.tensors:
         if tensor.name not in names:
+            if tensor.name == "rope_freqs.weight":
+                logger.warning("%s stores rope frequency factors (llama.cpp's form of Llama 3.1+ rope scaling), "
+                               "which transformers' GGUF reader does not turn into rope_scaling: the model runs "
+                               "without that scaling, as transformers runs it", file)
             continue
         if not load:
             yield names[tensor.name], None
