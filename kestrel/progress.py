@@ -12,5 +12,6 @@ from tqdm import tqdm
 
 def progress_bar(total: int | None, desc: str, unit: str, enabled: bool = True) -> tqdm:
     """A tqdm bar on stderr; a silent one (tqdm's `disable`) when stderr is no terminal or not `enabled`."""
+    terminal = sys.stderr is not None and sys.stderr.isatty()  # None: a process started without one
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True,
-                disable=not (enabled and sys.stderr.isatty()))
+                disable=not (enabled and terminal))
