@@ -136,9 +136,8 @@ def test_cli_flags_reach_the_config(dirs):
     assert shape(s) == (3, 2, 5) and s.speculative_disable_batch_size == 8
 
 
-def test_engine_refuses_the_algorithms_not_wired_yet(dirs, tmp_path):
+def test_engine_refuses_nextn_without_mtp_layers(dirs, tmp_path):
     from kestrel import Engine
 
-    with pytest.raises(ValueError, match="with STANDALONE is not wired into the engine yet"):
-        Engine(model=dirs["target"], device="cpu", speculative_algorithm="STANDALONE",
-               speculative_draft_model_path=dirs["target"])
+    with pytest.raises(ValueError, match="which has none .num_nextn_predict_layers is unset.; use EAGLE/EAGLE3"):
+        Engine(model=dirs["target"], device="cpu", speculative_algorithm="NEXTN")
