@@ -149,20 +149,20 @@ class ModelRunner:
         with torch.inference_mode():
             return self.execute(self.build_batch(batch, inputs))
 
-    def execute(self, fb: ForwardBatch, graph: CudaGraphRunner | None = None) -> ForwardOutput:
-        """Run a built batch: `graph` or this runner's captured graph when one fits, else eagerly."""
+    def execute(self, fb: ForwardBatch) -> ForwardOutput:
+        """Run a built batch: its captured graph when one fits, else eagerly."""
         if self.forward_events is None:
-            return self._execute(fb, graph)
+            return self._execute(fb)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = self._execute(fb, graph)
+        out = self._execute(fb)
         end.record()
         self.forward_events.append((start, end))
         return out
 
     @torch.inference_mode()
-    def _execute(self, fb: ForwardBatch, graph: CudaGraphRunner | None) -> ForwardOutput:
-        graph = graph or self.cuda_graphs.get((fb.forward_mode, fb.max_extend))
+    def _execute(self, fb: ForwardBatch) -> ForwardOutput:
+        graph = self.cuda_graphs.get((fb.forward_mode, fb.max_extend))
         if graph is not None and graph.can_run(fb):
             return graph.replay(fb)
         fb.attn_backend.init_forward_metadata(fb)

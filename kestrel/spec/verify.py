@@ -28,7 +28,6 @@ class Verified:
     tokens: list[list[int]]  # the committed tokens (counts[i] of them)
     logprobs: list[list[float] | None]
     top_logprobs: list[list[list[tuple[int, float]]] | None]
-    acceptance: Acceptance  # on the device
     target: ForwardOutput
 
 
@@ -68,7 +67,7 @@ def verify_tree(scheduler, runner, batch: ScheduledBatch, tree: DraftTree, conte
         k = counts[i]
         logprobs[i] = chosen[:k]
         tops[i] = [[(int(t), v) for t, v in zip(ids[p][:top_n], vals[p][:top_n])] for p in range(k)]
-    return Verified(counts, paths, tokens, logprobs, tops, acc, out)
+    return Verified(counts, paths, tokens, logprobs, tops, out)
 
 
 def _path_logprobs(logits: torch.Tensor, acc: Acceptance, asks: list[tuple[int, int]]):
