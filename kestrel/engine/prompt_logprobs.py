@@ -18,6 +18,7 @@ import torch
 
 from kestrel.core.batch import ScheduledBatch
 from kestrel.core.request import Request
+from kestrel.engine.sampler import copy_to_host
 
 SLICE_ROWS = 1024
 
@@ -51,12 +52,9 @@ class PendingPromptLogprobs:
 
     def __init__(self, asks: list[PromptLogprobAsk], values: torch.Tensor, ids: torch.Tensor | None) -> None:
         self.asks = asks
-        self._values = values.to("cpu", non_blocking=True)  # [R, 1 + n]: the prompt token's, then the top n
         self._ids = ids.to("cpu", non_blocking=True) if ids is not None else None  # [R, n]
-        self._event = None
-        if values.is_cuda:
-            self._event = torch.cuda.Event()
-            self._event.record()
+        # [R, 1 + n]: the prompt token's, then the top n; recorded after the ids' copy, so it covers both.
+        self._values, self._event = copy_to_host(values)
 
     def apply(self) -> None:
         """Wait for the copy (done by the time the step's sample is) and append to each request."""

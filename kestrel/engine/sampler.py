@@ -288,6 +288,16 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]] | None]  # top-n (token id, logprob), descending
 
 
+def copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    """Start `t`'s copy to the host without waiting; the event (None on CPU) marks when it is there."""
+    host = t.to("cpu", non_blocking=True)
+    event = None
+    if t.is_cuda:
+        event = torch.cuda.Event()
+        event.record()
+    return host, event
+
+
 class PendingSample:
     """Sampled ids on the device, with their copy to the host (logprobs packed alongside) under way."""
 
@@ -295,12 +305,7 @@ class PendingSample:
         self.token_ids = token_ids  # [B] int64, on the logits' device
         self._asks = logprob_asks
         self._bs = token_ids.shape[0]
-        # Non-blocking to the host lands in pinned memory; the event marks when it is there.
-        self._host = payload.to("cpu", non_blocking=True)
-        self._event = None
-        if payload.is_cuda:
-            self._event = torch.cuda.Event()
-            self._event.record()
+        self._host, self._event = copy_to_host(payload)
 
     def result(self) -> SamplerOutput:
         """Wait for this sample's copy (not for work queued after it) and unpack it."""
