@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx "/.whl/" .git/info/exclude || echo "/.whl/" >> .git/info/exclude
 for pkg in fastapi starlette pydantic pydantic_core annotated-types annotated-doc typing-inspection uvicorn \
-           opentelemetry-api; do
+           opentelemetry-api xgrammar apache-tvm-ffi jsonschema jsonschema-specifications referencing rpds-py; do
   version=$(python3 -m pip show "$pkg" 2>/dev/null | sed -n 's/^Version: //p')
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

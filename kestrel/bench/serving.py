@@ -96,6 +96,11 @@ async def run(args: argparse.Namespace, concurrency: int | None, seed: int) -> t
         elapsed = time.perf_counter() - start
     itl = [g for r in results for g in r["itl"]]
     ttft = [r["ttft"] for r in results]
+    # With every slot free at the start, the first `concurrency` requests arrive together and queue behind
+    # each other's prefills; the rest arrive one by one as slots free up. Their TTFTs are split so a burst
+    # at the start and the steady state can be told apart.
+    first_wave = (concurrency or len(results)) if args.request_rate == float("inf") else 0
+    waves = {"first_wave": ttft[:first_wave], "steady": ttft[first_wave:]}
     e2e = [r["e2e"] for r in results]
     out_tokens = sum(r["output_tokens"] for r in results)
     assert out_tokens == sum(out_lens), "every request must produce its full output (ignore_eos)"
@@ -105,6 +110,8 @@ async def run(args: argparse.Namespace, concurrency: int | None, seed: int) -> t
         "elapsed_s": elapsed, "output_tok_per_s": out_tokens / elapsed,
         "total_tok_per_s": (out_tokens + in_tokens) / elapsed, "request_per_s": args.num_prompts / elapsed,
         "ttft_median_ms": median(ttft) * ms, "ttft_p99_ms": percentile(ttft, 99) * ms,
+        **{f"ttft_{name}_{stat}_ms": fn(values) * ms for name, values in waves.items() if values
+           for stat, fn in (("median", median), ("p99", lambda v: percentile(v, 99)), ("max", max))},
         "itl_median_ms": median(itl) * ms, "itl_p99_ms": percentile(itl, 99) * ms,
         "e2e_median_ms": median(e2e) * ms, "e2e_p99_ms": percentile(e2e, 99) * ms,
         "input_tokens": in_tokens, "output_tokens": out_tokens,
@@ -138,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
         rows = [("prompts / concurrency", f"{args.num_prompts} / {result['max_concurrency'] or 'unlimited'}"),
                 ("output tok/s", result["output_tok_per_s"]), ("requests/s", result["request_per_s"])]
         rows += [(f"{k.replace('_', ' ')}", result[k]) for k in
-                 ("ttft_median_ms", "ttft_p99_ms", "itl_median_ms", "itl_p99_ms", "e2e_median_ms", "e2e_p99_ms")]
+                 ("ttft_median_ms", "ttft_p99_ms", "ttft_first_wave_max_ms", "ttft_steady_p99_ms",
+                  "itl_median_ms", "itl_p99_ms", "e2e_median_ms", "e2e_p99_ms") if k in result]
         report("serving", rows, result if len(results) == 1 else {"runs": results},
                args.json if i == len(results) - 1 else None)
     if args.plot:
