@@ -13,6 +13,9 @@ from kestrel.core.forward_mode import ForwardMode
 from kestrel.layers.attention import AttentionLayer
 
 
+SPLIT_MAX_EXTEND = 16  # new tokens per request up to which the extend kernel splits the keys
+
+
 class TritonBackend:
     """DECODE batches go to the split-K decode kernel; every other mode (verify trees included) to the
     extend kernel."""
@@ -49,7 +52,12 @@ class TritonBackend:
         else:
             store_kv(k, v, kv.k, kv.v, batch.out_cache_loc, kv.k_scale, kv.v_scale)
             tree = batch.tree_mask.view(torch.uint8) if batch.tree_mask is not None else None
+            # A few new tokens per request (verify, draft extend, a decode-sized chunk): split the keys so
+            # that about 256 programs run; like decode's split, from the batch's shape alone.
+            few = batch.max_extend <= SPLIT_MAX_EXTEND
+            num_splits = max(1, min(16, 256 // (batch.batch_size * layer.num_heads))) if few else 1
             extend_attention(q, kv.k, kv.v, out, table, batch.req_pool_indices, batch.prefix_lens,
                              batch.extend_lens, self._q_starts, batch.max_extend, layer.scaling,
-                             layer.sliding_window, self.upcast, tree, batch.tree_mask_starts, kv.k_scale, kv.v_scale)
+                             layer.sliding_window, self.upcast, tree, batch.tree_mask_starts, kv.k_scale, kv.v_scale,
+                             block_m=16 if few else 64, num_splits=num_splits)
         return out.view(-1, layer.num_heads * layer.head_dim)

@@ -66,8 +66,9 @@ CASES = [  # (gqa group, head_dim, dtype, window)
 
 
 @pytest.mark.parametrize("group, head_dim, dtype, window", CASES)
-def test_extend_matches_reference(group, head_dim, dtype, window):
-    gen = torch.Generator().manual_seed(group * 1000 + head_dim)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_extend_matches_reference(group, head_dim, dtype, window, num_splits):
+    gen = torch.Generator().manual_seed(group * 1000 + head_dim + num_splits)
     kv_heads = 2
     prefix = [0, 5, 17, 0, 40]
     extend = [9, 1, 23, 33, 4]
@@ -80,7 +81,7 @@ def test_extend_matches_reference(group, head_dim, dtype, window):
     ext = torch.tensor(extend, device=DEVICE)
     extend_attention(q, k_buf, v_buf, out, table, rows, torch.tensor(prefix, device=DEVICE), ext,
                      torch.cumsum(ext, 0) - ext, max(extend), 1 / math.sqrt(head_dim), window, UPCAST,
-                     block_m=16, block_n=16)
+                     block_m=16, block_n=16, num_splits=num_splits)
     ref = reference(q, k_buf, v_buf, table, rows, prefix, extend, 1 / math.sqrt(head_dim), window)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)

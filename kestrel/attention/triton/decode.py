@@ -127,9 +127,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct, **fp8_store_args(k_buf.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
-    if direct:
-        return
-    _decode_merge_kernel[(batch, num_heads)](
+    if not direct:
+        merge_splits(mid_o, mid_lse, out, num_splits)
+
+
+def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+    """out[t, h] = the softmax-weighted mix of the partial outputs mid_o[t, h, s] by their log-sum-exps
+    mid_lse[t, h, s] (t: a query token; the decode kernel has one per request)."""
+    tokens, num_heads, head_dim = out.shape
+    block_d = mid_o.shape[-1]
+    _decode_merge_kernel[(tokens, num_heads)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
         mid_lse.stride(1), out.stride(0), out.stride(1),
         num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
