@@ -21,40 +21,45 @@ HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 class Pools:
     """One layer's K/V buffers, as KVPools.layer() hands them out."""
 
-    def __init__(self, slots: int, dtype: torch.dtype = torch.float32) -> None:
-        self.kv = LayerKV(k=torch.zeros(slots, KV_HEADS, HEAD_DIM, dtype=dtype), k_scale=1.0,
-                          v=torch.zeros(slots, KV_HEADS, HEAD_DIM, dtype=dtype), v_scale=1.0)
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.kv = LayerKV(k=k, k_scale=1.0, v=v, v_scale=1.0)
+
+    def clone(self) -> "Pools":
+        return Pools(self.kv.k.clone(), self.kv.v.clone())
 
     def layer(self, layer_id: int) -> LayerKV:
         return self.kv
 
 
 def paged_batch(prefixes: list[int], extends: list[int], page_size: int, gen: torch.Generator,
-                mode: ForwardMode = ForwardMode.EXTEND):
-    """Requests in scattered pages (slot 0's page reserved); prefix K/V random in the pool."""
+                mode: ForwardMode = ForwardMode.EXTEND, shape: tuple[int, int, int] = (HEADS, KV_HEADS, HEAD_DIM),
+                device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """Requests in scattered pages (slot 0's page reserved); prefix K/V random in the pool. `shape`:
+    (heads, kv heads, head dim)."""
+    heads, kv_heads, head_dim = shape
     seqs = [p + e for p, e in zip(prefixes, extends)]
     pages = [math.ceil(s / page_size) for s in seqs]
     order = (torch.randperm(sum(pages), generator=gen) + 1).tolist()
-    pools = Pools((sum(pages) + 1) * page_size)
-    req_to_token = ReqToTokenPool(len(seqs) + 2, max(seqs) + 5, "cpu")
+    slots_total = (sum(pages) + 1) * page_size
+    pools = Pools(*(torch.randn(slots_total, kv_heads, head_dim, generator=gen).to(device, dtype) for _ in "kv"))
+    req_to_token = ReqToTokenPool(len(seqs) + 2, max(seqs) + 5, device)
     rows = [len(seqs) + 1 - i for i in range(len(seqs))]  # not in batch order
     new_slots, used = [], 0
     for row, p, s, n in zip(rows, prefixes, seqs, pages):
         slots = torch.cat([torch.arange(page * page_size, (page + 1) * page_size) for page in order[used:used + n]])[:s]
         used += n
         req_to_token.table[row, :s] = slots
-        new_slots.append(slots[p:])
-    for kv in (pools.kv.k, pools.kv.v):
-        kv.copy_(torch.randn(kv.shape, generator=gen))
+        new_slots.append(slots[p:].to(device))
     tokens = sum(extends)
+    as_tensor = lambda xs: torch.tensor(xs, device=device)  # noqa: E731
     batch = ForwardBatch(
-        forward_mode=mode, input_ids=torch.zeros(tokens, dtype=torch.int64),
-        positions=torch.cat([torch.arange(p, s) for p, s in zip(prefixes, seqs)]),
-        out_cache_loc=torch.cat(new_slots), req_pool_indices=torch.tensor(rows),
-        seq_lens=torch.tensor(seqs), prefix_lens=torch.tensor(prefixes), extend_lens=torch.tensor(extends),
+        forward_mode=mode, input_ids=torch.zeros(tokens, dtype=torch.int64, device=device),
+        positions=torch.cat([torch.arange(p, s) for p, s in zip(prefixes, seqs)]).to(device),
+        out_cache_loc=torch.cat(new_slots), req_pool_indices=as_tensor(rows),
+        seq_lens=as_tensor(seqs), prefix_lens=as_tensor(prefixes), extend_lens=as_tensor(extends),
         seq_lens_cpu=seqs, prefix_lens_cpu=prefixes, extend_lens_cpu=extends, max_extend=max(extends),
-        logits_indices=torch.arange(tokens), attn_backend=None)
-    qkv = [torch.randn(tokens, n * HEAD_DIM, generator=gen) for n in (HEADS, KV_HEADS, KV_HEADS)]
+        logits_indices=torch.arange(tokens, device=device), attn_backend=None)
+    qkv = [torch.randn(tokens, n * head_dim, generator=gen).to(device, dtype) for n in (heads, kv_heads, kv_heads)]
     return pools, req_to_token, batch, qkv
 
 
@@ -80,8 +85,7 @@ def test_sdpa_equals_torch_native(case, page_size, window):
     gen = torch.Generator().manual_seed(page_size * 31 + len(prefixes))
     layer = AttentionLayer(0, HEADS, KV_HEADS, HEAD_DIM, scaling=HEAD_DIM ** -0.5, sliding_window=window)
     pools, req_to_token, batch, qkv = paged_batch(prefixes, extends, page_size, gen)
-    ref_pools = Pools(pools.kv.k.shape[0])
-    ref_pools.kv.k.copy_(pools.kv.k), ref_pools.kv.v.copy_(pools.kv.v)
+    ref_pools = pools.clone()
 
     fallback = TorchNativeBackend(pools, req_to_token)
     calls = []
