@@ -39,7 +39,8 @@ def explain_plan(config: "EngineConfig") -> str:
     lines += ["", f"cuda-graph capture set: {', '.join(graphs)}{graph_note}", "", "decisions (reads → answer):"]
     for d in DECISIONS:
         lines.append(f"  {d.name:<22} reads {d.reads:<40} -> {d.fn(config)!r}   [{d.used_by}]")
-    lines.append(f"\n(default backend for this device: {default_backend(config)})")
+    lines.append(f"\n(default backends for this device: prefill {default_backend(config, 'prefill')}, "
+                 f"decode {default_backend(config, 'decode')})")
     return "\n".join(lines)
 
 

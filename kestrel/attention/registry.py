@@ -15,7 +15,12 @@ if TYPE_CHECKING:
     from kestrel.cache.req_to_token import ReqToTokenPool
     from kestrel.config import EngineConfig
 
-ALIASES = {"sdpa": "torch_native"}
+ALIASES: dict[str, str] = {}
+
+# The automatic prefill half on CUDA: "sdpa" (torch's cuDNN/flash kernels on few long prompts, the Triton
+# kernel for the rest) once the H200 figures of scripts/bench_prefill_attention.py justify it; "triton"
+# until then. The decode half's default stays Triton either way.
+CUDA_AUTO_PREFILL_BACKEND = "triton"
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,18 @@ def _triton(pools, req_to_token, config):
     return "triton", TritonBackend(pools, req_to_token, upcast=config.device == "cpu", name="triton")
 
 
+# Not a Triton or CUDA-graph entry: its own path runs torch SDPA with host lengths, and the batches it
+# hands to its fallback (Triton where that runs, else torch_native) are the fallback's business.
+@register("sdpa", unavailable=lambda config: None)
+def _sdpa(pools, req_to_token, config):
+    from kestrel.attention.sdpa import SdpaBackend
+
+    on_cuda = config.device != "cpu"
+    fallback_name = "triton" if on_cuda and REGISTRY["triton"].unavailable(config) is None else "torch_native"
+    _, fallback = REGISTRY[fallback_name].factory(pools, req_to_token, config)
+    return "sdpa", SdpaBackend(pools, req_to_token, fallback, on_cuda=on_cuda, name="sdpa")
+
+
 # Chunked prefill works (a step resumes from the per-request state); radix reuse does not, which the
 # model's KV layout says (`prefix_cache_unsupported`). Per-batch host lengths: no CUDA graphs.
 @register("dsv4", unavailable=lambda config: None, dsv4=True)
@@ -119,12 +136,13 @@ def _model_needs_dsv4(config: "EngineConfig") -> bool:
     return needs_dsv4_attention(hf.get("architectures") or [])
 
 
-def default_backend(config: "EngineConfig") -> str:
-    """dsv4 for DeepSeek-V4; else Triton on CUDA when it is installed; the portable reference everywhere else."""
+def default_backend(config: "EngineConfig", phase: str) -> str:
+    """dsv4 for DeepSeek-V4; else on CUDA with Triton installed, Triton (the prefill half:
+    `CUDA_AUTO_PREFILL_BACKEND`); the portable reference everywhere else."""
     if _model_needs_dsv4(config):
         return "dsv4"
     if config.device != "cpu" and REGISTRY["triton"].unavailable(config) is None:
-        return "triton"
+        return CUDA_AUTO_PREFILL_BACKEND if phase == "prefill" else "triton"
     return "torch_native"
 
 
@@ -142,7 +160,7 @@ def resolve_sources(config: "EngineConfig") -> tuple[HalfSource, HalfSource]:
             given, source = a.attention_backend, "attention_backend"
         else:
             given, source = None, "default"
-        name = canonical(given) if given is not None else default_backend(config)
+        name = canonical(given) if given is not None else default_backend(config, phase)
         entry = REGISTRY[name]
         reason = entry.unavailable(config)
         if reason is not None:

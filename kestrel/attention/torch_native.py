@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kestrel.cache.kv_memory import KVPools
+from kestrel.cache.kv_memory import KVPools, LayerKV
 from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.layers.attention import AttentionLayer
@@ -25,8 +25,7 @@ class TorchNativeBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                 batch: ForwardBatch) -> torch.Tensor:
         kv = self.pools.layer(layer.layer_id)
-        kv.k[batch.out_cache_loc] = to_pool(k.view(-1, layer.num_kv_heads, layer.head_dim), kv.k.dtype, kv.k_scale)
-        kv.v[batch.out_cache_loc] = to_pool(v.view(-1, layer.num_kv_heads, layer.head_dim), kv.v.dtype, kv.v_scale)
+        write_kv(kv, k, v, layer, batch.out_cache_loc)
         q = q.view(-1, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
         group = layer.num_heads // layer.num_kv_heads
@@ -47,6 +46,12 @@ class TorchNativeBackend:
             )[0].transpose(0, 1)
             start += extend
         return out.view(-1, layer.num_heads * layer.head_dim)
+
+
+def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, slots: torch.Tensor) -> None:
+    """Store the new tokens' K/V ([T, kv_heads * head_dim]) at their pool slots, in the pool's dtype."""
+    kv.k[slots] = to_pool(k.view(-1, layer.num_kv_heads, layer.head_dim), kv.k.dtype, kv.k_scale)
+    kv.v[slots] = to_pool(v.view(-1, layer.num_kv_heads, layer.head_dim), kv.v.dtype, kv.v_scale)
 
 
 def _mask(prefix: int, extend: int, seq: int, window: int | None, device: torch.device) -> torch.Tensor | None:

@@ -63,7 +63,7 @@ ROUTING_CASES = {  # launch → expected (prefill half, decode half)
     "prefill only": ({"prefill_attention_backend": "triton"}, ("triton", "torch_native")),
     "decode only": ({"decode_attention_backend": "triton"}, ("torch_native", "triton")),
     "both": ({"prefill_attention_backend": "triton", "decode_attention_backend": "sdpa"},
-             ("triton", "torch_native")),
+             ("triton", "sdpa")),
     "base + decode override": ({"attention_backend": "triton", "decode_attention_backend": "torch_native"},
                                ("triton", "torch_native")),
 }
@@ -95,7 +95,8 @@ def test_routing_table_for_every_forward_mode(tiny_model, case, spec_mode):
 def test_engine_builds_hybrid_only_for_different_halves_and_stamps_everything(tiny_model):
     model = tiny_model("llama")
     with Engine(model=model, device="cpu", attention_backend="sdpa") as engine:
-        assert engine.runner.attn_backend.name == "torch_native"  # the alias is resolved, the stamp is real
+        backend = engine.runner.attn_backend
+        assert (backend.name, backend.fallback.name) == ("sdpa", "torch_native")  # each keeps its own stamp
     with Engine(model=model, device="cpu", decode_attention_backend="triton") as engine:
         backend = engine.runner.attn_backend
         assert isinstance(backend, HybridBackend)
@@ -116,12 +117,12 @@ def test_draft_resolution_uses_override_for_both_halves(tiny_model):
     assert (pair.prefill, pair.decode) == ("triton", "torch_native")
     pair = registry.draft_attention_backends(config(model, prefill_attention_backend="triton",
                                                     speculative_draft_attention_backend="sdpa"))
-    assert (pair.prefill, pair.decode) == ("torch_native", "torch_native")
+    assert (pair.prefill, pair.decode) == ("sdpa", "sdpa")
 
 
 def test_unknown_or_unavailable_backends_fail_at_start_up(tiny_model, monkeypatch):
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="valid choices: dsv4, torch_native, triton, sdpa"):
+    with pytest.raises(ValueError, match="valid choices: dsv4, sdpa, torch_native, triton"):
         config(model, decode_attention_backend="flash")
     monkeypatch.setattr("kestrel.envs._TRITON_INTERPRET", False)  # as if unset when kestrel was imported
     with pytest.raises(ValueError, match="'triton' \\(from prefill_attention_backend\\) cannot run here: .*CUDA"):
@@ -194,10 +195,33 @@ def test_explain_prints_the_plan_without_loading_weights(tiny_model, capsys, tmp
     assert main(["explain", "--model", str(folder), "--device", "cpu", "--prefill-attention-backend", "sdpa",
                  "--decode-attention-backend", "triton", "--speculative-attention-mode", "decode"]) == 0
     out = capsys.readouterr().out
-    assert "prefill  torch_native   from --prefill-attention-backend 'sdpa' (alias of 'torch_native')" in out
+    assert "prefill  sdpa           from --prefill-attention-backend 'sdpa'" in out
     assert "DECODE         -> decode half: triton" in out
     assert "TARGET_VERIFY  -> decode half: triton" in out
-    assert "EXTEND         -> prefill half: torch_native" in out
+    assert "EXTEND         -> prefill half: sdpa" in out
     assert "cuda-graph capture set: triton" in out
     for d in decisions.DECISIONS:
         assert d.name in out
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_sdpa_prefill_gives_torch_native_greedy_tokens(tiny_model, monkeypatch, page_size):
+    """Prompts in one batch, then radix hits and chunks (extends after a cached prefix), page sizes 1 and 4."""
+    from kestrel.attention import sdpa
+
+    fast_calls = []
+    attend = sdpa.causal_attention
+    monkeypatch.setattr(sdpa, "causal_attention", lambda *args: fast_calls.append(args[3]) or attend(*args))
+    model = tiny_model("llama")
+    prompts = prompts_with_shared_prefixes(4, seed=3)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    results = []
+    for backend in ("torch_native", "sdpa"):
+        with Engine(model=model, device="cpu", dtype="float32", chunked_prefill_size=16, page_size=page_size,
+                    prefill_attention_backend=backend) as engine:
+            first = engine.generate(prompt_token_ids=prompts[:2], sampling_params=params)
+            second = engine.generate(prompt_token_ids=prompts[2:], sampling_params=params)  # radix hits
+            results.append([o.token_ids for o in first + second])
+            assert_pool_full(engine)
+    assert results[0] == results[1]
+    assert 0 in fast_calls and any(prefix > 0 for prefix in fast_calls)  # the fast path ran, with and without prefix

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from kestrel.attention import registry
 from kestrel.attention.registry import attention_backends
 from kestrel.config import EngineConfig
 
@@ -28,11 +29,15 @@ def test_resolve_fills_every_automatic_choice(model_dir):
     assert c.attention.attention_backend is None  # the base stays an input, never filled in
 
 
-@pytest.mark.parametrize("fields", [{}, {"attention_backend": "sdpa"}, {"prefill_attention_backend": "sdpa"},
-                                    {"decode_attention_backend": "torch_native"}])
-def test_resolver_never_returns_none_and_maps_aliases(model_dir, fields):
+@pytest.mark.parametrize("fields, expected", [
+    ({}, ("torch_native", "torch_native")), ({"attention_backend": "sdpa"}, ("sdpa", "sdpa")),
+    ({"prefill_attention_backend": "sdpa"}, ("sdpa", "torch_native")),
+    ({"decode_attention_backend": "torch_native"}, ("torch_native", "torch_native")),
+    ({"attention_backend": "reference"}, ("torch_native", "torch_native"))])
+def test_resolver_never_returns_none_and_maps_aliases(model_dir, monkeypatch, fields, expected):
+    monkeypatch.setitem(registry.ALIASES, "reference", "torch_native")  # kestrel has no alias today
     pair = attention_backends(resolve(model_dir, **fields))
-    assert pair.prefill == pair.decode == "torch_native"
+    assert (pair.prefill, pair.decode) == expected
 
 
 @pytest.mark.parametrize("bad, field", [

@@ -76,7 +76,7 @@ def test_halves_follow_the_target_pair_and_the_attention_mode(dirs):
 def test_the_override_wins_and_every_stamp_is_canonical(dirs, test_backends):
     split = dict(prefill_attention_backend="triton", decode_attention_backend="triton")
     plan = draft_backend_plan(config(dirs, speculative_draft_attention_backend="sdpa", **split))
-    assert (plan.decode, plan.extend) == ("torch_native", "torch_native")  # the alias, resolved
+    assert (plan.decode, plan.extend) == ("sdpa", "sdpa")
     assert plan.decode_source == plan.extend_source == "from --speculative-draft-attention-backend 'sdpa'"
     # An entry that builds another backend than its key: products and children carry what they are.
     backends = create_draft_backends(config(dirs, speculative_draft_attention_backend="fallback", **split),
