@@ -17,8 +17,6 @@ HELP = {
     "dtype": "auto, float32, float16 or bfloat16",
     "max_total_tokens": "KV pool size in tokens (default: from GPU memory; 32768 on CPU)",
     "chunked_prefill_size": "prefill tokens per step; -1 disables chunking",
-    "mixed_chunk_prefill_size": "prefill tokens a step that also decodes may carry (--enable-mixed-chunk); "
-                                "default: --chunked-prefill-size",
     "kv_cache_dtype": "auto (the model dtype), fp8_e4m3 or fp8_e5m2: the KV cache in FP8, half the bytes of bf16",
     "quantization": "fp8: linear weights in FP8 (block-scaled e4m3; a float checkpoint is quantized at load). "
                     "Default: what the checkpoint holds",

@@ -43,10 +43,6 @@ class SchedulerConfig:
     max_running_requests: int | None = None
     chunked_prefill_size: int | None = None  # new prefill tokens per step; -1 disables chunking
     enable_mixed_chunk: bool = False  # run prefill chunks and decodes in one MIXED batch
-    # Prefill tokens a MIXED step may carry (defaults to chunked_prefill_size). A mixed step's time is
-    # every running request's next inter-token gap, so a smaller budget here bounds the ITL tail while
-    # prefills with nothing decoding (a burst of arrivals) still take the full chunk.
-    mixed_chunk_prefill_size: int | None = None
     random_seed: int | None = None  # seeds the draw of per-request seeds for requests without one
     # Overlap scheduling: schedule and launch step N+1 while step N runs on the device, so host work
     # hides behind the GPU. Outputs are the same either way; turn it off to debug.
@@ -220,11 +216,8 @@ class EngineConfig:
             chunk = 8192 if on_gpu else 2048
         if chunk != -1 and chunk < 1:
             raise ValueError(f"chunked_prefill_size must be -1 (off) or >= 1, got {chunk}")
-        mixed_chunk = chunk if s.mixed_chunk_prefill_size is None else s.mixed_chunk_prefill_size
-        if mixed_chunk != -1 and mixed_chunk < 1:
-            raise ValueError(f"mixed_chunk_prefill_size must be -1 (no limit) or >= 1, got {mixed_chunk}")
         scheduler = dataclasses.replace(
-            s, chunked_prefill_size=chunk, mixed_chunk_prefill_size=mixed_chunk, max_running_requests=s.max_running_requests or (1024 if on_gpu else 64))
+            s, chunked_prefill_size=chunk, max_running_requests=s.max_running_requests or (1024 if on_gpu else 64))
 
         speculative = resolve_speculative(self.speculative, model_path, hf)
         if self.cuda_graph.cuda_graph_max_bs < 1:

@@ -86,11 +86,8 @@ class Scheduler:
 
     # ---- batch selection --------------------------------------------------------------------
     def schedule(self, decode_tokens: int = 1) -> ScheduledBatch | None:
+        prefill = self._schedule_prefill()
         mixed = self.config.enable_mixed_chunk and decode_tokens == 1
-        budget = self.config.chunked_prefill_size
-        if mixed and self.running and self.config.mixed_chunk_prefill_size is not None:
-            budget = self.config.mixed_chunk_prefill_size  # this step's time is every decode's next gap
-        prefill = self._schedule_prefill(budget)
         if prefill and not (mixed and self.running):
             return self._batch(ForwardMode.EXTEND, prefill, len(prefill))
         decode = self._schedule_decode(protected=prefill, tokens=decode_tokens)
@@ -117,7 +114,8 @@ class Scheduler:
                               out_cache_loc=new_slots, table_writes=writes, kv_moves=moves,
                               num_prefill=num_prefill, reqs=reqs)
 
-    def _schedule_prefill(self, budget: int) -> list[Request]:
+    def _schedule_prefill(self) -> list[Request]:
+        budget = self.config.chunked_prefill_size
         budget = float("inf") if budget == -1 else budget
         picked: list[Request] = []
         candidates = ([self.chunked] if self.chunked else []) + list(self.waiting)
