@@ -29,10 +29,11 @@ from kestrel.core.forward_mode import ForwardMode
 from kestrel.layers.attention import AttentionLayer
 from kestrel.quant.kv import from_pool
 
-# Starting points, to be set from scripts/bench_prefill_attention.py's H200 figures: below them the
-# per-request launches cost more than the Triton kernel's single launch saves.
+# From scripts/bench_prefill_attention.py on the H200 (docs/benchmarks.md): this path costs ~0.13 ms per
+# request and layer beyond the cuDNN call (storing K/V, layouts), so the Triton kernel's single launch
+# wins at 1k new tokens (0.23 against 0.35 ms) and this path from about 1.5k on (4k: 0.47 against 0.88 ms).
 FAST_MAX_REQUESTS = 8
-FAST_MIN_EXTEND = 256
+FAST_MIN_EXTEND = 1536
 
 # cuDNN first: on an H200 (torch 2.11) it runs causal GQA prefill at ~620 TFLOP/s, flash at ~320.
 # A kernel that cannot take the call (e.g. a lower-right causal mask) passes it down the list.
