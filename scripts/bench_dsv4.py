@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import sys
@@ -35,8 +34,8 @@ import torch
 
 from kestrel import Engine, SamplingParams
 from kestrel.bench.common import now, random_prompts
+from kestrel.bench.dsv4_kv import kv_bytes
 from kestrel.bench.dsv4_layers import LayerContext, dense_layer_ms, v4_layer_ms
-from kestrel.cache.kv_layout import Indexing
 
 SLICE = "kestrel/assets/configs/deepseek-v4-flash-slice"
 FULL = dict(device="cuda", dtype="bfloat16", prefill_lens=[8192, 32768], decode_ctx=8192, decode_batches=[1, 32],
@@ -77,55 +76,6 @@ class AttentionTimer:
             total = sum(e - s for s, e in self.marks) * 1e3
         self.marks.clear()
         return total
-
-
-# ---- KV bytes -------------------------------------------------------------------------------------
-def kv_bytes_measured(memory, context: int) -> dict:
-    """One request at `context` positions in the engine's KV memory, from its tensors' sizes: TOKEN and
-    BLOCK buffers per slot (a tensor's bytes / the slot space) x the slots of its pages, plus REQUEST
-    buffers per row (bytes / rows). req_to_token (slot indices, any model) is not counted."""
-    pools, alloc = memory.pools[0], memory.allocator
-    num_slots = (alloc.num_pages + 1) * alloc.page_size
-    slots = alloc.tokens_needed(0, context)
-    groups = {}
-    for group in pools.layout.groups:
-        tensors = [getattr(pools.layer(layer), buf.name) for layer in group.layer_ids for buf in group.buffers]
-        if group.indexing is Indexing.REQUEST:
-            groups[group.name] = sum(t.nbytes / t.shape[0] for t in tensors)
-        else:
-            groups[group.name] = slots * sum(t.nbytes for t in tensors) / num_slots
-    total = sum(groups.values())
-    return {"context": context, "slots_held": slots, "bytes_per_request": total, "bytes_per_token": total / context,
-            "bytes_by_group": groups}
-
-
-def spec_kv_bytes(cfg, context: int, c4_layers: int, c128_layers: int, entry: float, index_key: float) -> float:
-    """Spec §6 ("Long-context slope"), bytes per token at `context`: (entry + index_key) / 4 per ratio-4
-    layer + entry / 128 per ratio-128 layer, plus (L + 1) x window x entry per request (every layer's
-    ring and the MTP layer's; the spec's per-request term names the compressor state but counts only
-    the rings, and so does this)."""
-    slope = c4_layers * (entry + index_key) / 4 + c128_layers * entry / 128
-    return slope + (cfg.num_hidden_layers + 1) * cfg.sliding_window * entry / context
-
-
-def kv_bytes(engine, context: int) -> dict:
-    cfg = engine.runner.model.config
-    D, r, c_i = cfg.head_dim, cfg.qk_rope_head_dim, cfg.index_head_dim
-    # Spec §6's entry format (SGLang's): (D - r) FP8 nope bytes + a ue8m0 scale per 64 of them + 1 pad
-    # + r bf16 rope values (448 + 7 + 1 + 128 = 584 B at D 512, r 64); an indexer key is c_I FP8 bytes
-    # + a 4 B fp32 scale (132 B at c_I 128).
-    entry, index_key = (D - r) + math.ceil((D - r) / 64) + 1 + 2 * r, c_i + 4
-    c4, c128 = cfg.compress_ratios.count(4), cfg.compress_ratios.count(128)
-    spec = spec_kv_bytes(cfg, context, c4, c128, entry, index_key)
-    # The same arithmetic on full V4-Flash (21 ratio-4 and 20 ratio-128 layers) gives the spec's ≈ 3.85 KB.
-    flash_slope = 21 * (584 + 132) / 4 + 20 * 584 / 128
-    measured = kv_bytes_measured(engine.kv_memory, context)
-    # Our entries are in the model dtype: the spec's slope with our entry bytes is what our slope must be.
-    size = torch.empty((), dtype=getattr(torch, engine.config.model.dtype)).element_size()
-    return {**measured, "spec_bytes_per_token": spec, "spec_entry_bytes": entry, "spec_index_key_bytes": index_key,
-            "spec_flash_slope_bytes_per_token": flash_slope,
-            "spec_slope_with_our_entry_bytes": c4 * (D + c_i) * size / 4 + c128 * D * size / 128,
-            "ratio_to_spec": measured["bytes_per_token"] / spec}
 
 
 # ---- through the engine ---------------------------------------------------------------------------
@@ -214,7 +164,13 @@ def layers(engine, p: dict, chunk: int) -> dict:
                        getattr(torch, engine.config.model.dtype))
     cases = [(f"decode bs{b}", b, ctx_len - 1, 1, p["layer_iters"]) for b in p["decode_batches"]]
     cases.append((f"prefill chunk {chunk}", 1, ctx_len - chunk, chunk, p["chunk_iters"]))
-    out: dict = {"context": ctx_len, "cases": {}}
+    out: dict = {"context": ctx_len, "cases": {}, "includes": {
+        "v4": "V4Attention.forward: wq_a, q_norm, wq_b, per-head norm, rope; wkv, kv_norm, rope; window ring I/O; "
+              "compressor(s) and (ratio 4) indexer; softmax over window + compressed entries with sink; inverse "
+              "rope; wo_a (grouped), wo_b. Backend metadata (host lengths) set untimed before each call.",
+        "dense": "the same projections, norms and ropes; K=V written to a contiguous [batch, context, 512] cache; "
+                 "torch SDPA over every earlier position (one K=V head, MQA; causal lower-right in prefill); "
+                 "inverse rope; wo_a, wo_b. sdpa_ms: the SDPA call alone; projections_ms: the rest alone."}}
     attn_of = {kind: model.layers[cfg.compress_ratios.index(r)].attn for kind, r in KINDS.items()}
     # Mean over the slice's main layers (MTP excluded): what one layer costs on average in a forward.
     mix = {kind: cfg.compress_ratios.count(r) / cfg.num_hidden_layers for kind, r in KINDS.items()}
@@ -324,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny V4 config, fp32, tiny contexts")
     parser.add_argument("--model", default=None, help=f"a V4 config folder (default {SLICE})")
     parser.add_argument("--budget-s", type=float, default=210, help="skip sections that start after this")
+    parser.add_argument("--only", default=None, help="comma-separated sections to run (kv_bytes, prefill, decode, "
+                                                     "layers, prefill_dense); default all")
     args = parser.parse_args(argv)
     p = SMOKE if args.smoke else FULL
     started = time.monotonic()
@@ -345,11 +303,15 @@ def main(argv: list[str] | None = None) -> int:
     attn = AttentionTimer(engine.runner.model, engine.device)
     sections = [("kv_bytes", lambda: kv_bytes(engine, p["layer_ctx"])),
                 ("prefill", lambda: prefill(engine, p["prefill_lens"], attn, deadline))]
-    sections += [(f"decode bs{b}", lambda b=b: decode(engine, p["decode_ctx"], b, p["decode_iters"]))
-                 for b in p["decode_batches"]]
+    # The sections with goals first; the batch-32 decode, whose 32 prefills cost most, last.
     sections += [("layers", lambda: layers(engine, p, chunk)),
                  ("prefill_dense", lambda: prefill_dense(engine, max(p["prefill_lens"]), chunk, p["chunk_iters"]))]
+    sections += [(f"decode bs{b}", lambda b=b: decode(engine, p["decode_ctx"], b, p["decode_iters"]))
+                 for b in p["decode_batches"]]
+    only = set(args.only.split(",")) if args.only else None
     for name, run in sections:
+        if only is not None and name.split(" ")[0] not in only:
+            continue
         if time.monotonic() > deadline:
             res[name] = f"skipped: past the {args.budget_s:.0f} s budget"
             continue

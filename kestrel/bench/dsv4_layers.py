@@ -120,7 +120,7 @@ class DenseLayer:
         self.attn = attn
         self.batch = batch
         self.cache = torch.zeros(batch, context, attn.head_dim, dtype=attn.wkv.weight.dtype, device=device)
-        self.kernel: tuple[str, object] | None = None  # the SDPA backend chosen by `pick_kernel`
+        self.kernel: tuple | None = None  # (label, SDPA backend, copy_keys), chosen by `pick_kernel`
 
     def projections(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.attn
@@ -135,8 +135,10 @@ class DenseLayer:
         wo_a = a.wo_a.weight.unflatten(0, (a.groups, -1))
         return a.wo_b(torch.einsum("tgk,gok->tgo", groups, wo_a).flatten(1))
 
-    def core(self, q: torch.Tensor, prefix: int, extend: int, kernel) -> torch.Tensor:
-        """q [batch * extend, H, D] over the cache's positions [0, prefix + extend) -> the same shape."""
+    def core(self, q: torch.Tensor, prefix: int, extend: int, kernel, copy_keys: bool = False) -> torch.Tensor:
+        """q [batch * extend, H, D] over the cache's positions [0, prefix + extend) -> the same shape.
+        `copy_keys`: a prefill hands SDPA the one K=V head copied to H heads, for kernels that refuse
+        the broadcast view (the copy is timed with it)."""
         from torch.nn.attention import sdpa_kernel
 
         B, H, D = self.batch, self.attn.heads, self.attn.head_dim
@@ -151,6 +153,7 @@ class DenseLayer:
 
             qh = q.view(B, extend, H, D).transpose(1, 2)
             kh = keys.expand(B, H, prefix + extend, D)
+            kh = kh.contiguous() if copy_keys else kh
             out = F.scaled_dot_product_attention(qh, kh, kh, attn_mask=causal_lower_right(extend, prefix + extend),
                                                  scale=self.attn.scale)
             return out.transpose(1, 2).reshape(B * extend, H, D)
@@ -158,46 +161,52 @@ class DenseLayer:
     def forward(self, x: torch.Tensor, positions: torch.Tensor, prefix: int, extend: int) -> torch.Tensor:
         q, kv = self.projections(x, positions)
         self.cache[:, prefix:prefix + extend] = kv.view(self.batch, extend, -1)
-        return self.output(self.core(q, prefix, extend, self.kernel[1]), positions)
+        return self.output(self.core(q, prefix, extend, *self.kernel[1:]), positions)
 
-    def pick_kernel(self, q: torch.Tensor, prefix: int, extend: int, iters: int) -> dict[str, object]:
-        """Time `core` through every SDPA kernel; keep the fastest that runs. Per kernel: ms or the error."""
+    def pick_kernel(self, q: torch.Tensor, prefix: int, extend: int, iters: int) -> tuple[float, dict[str, object]]:
+        """Time `core` through every SDPA kernel and keep the fastest that runs: (its ms, per kernel the
+        ms or why it did not run). A kernel that refuses the broadcast K is retried with K copied."""
         device = q.device
         tried: dict[str, object] = {}
+        kernels: dict[str, tuple] = {}
         for name, kernel in _sdpa_backends():
             if name == "math" and self.batch * self.attn.heads * extend * (prefix + extend) * 4 > 16 * 2**30:
                 tried[name] = "skipped: its [heads, queries, keys] fp32 logits would pass 16 GiB"
                 continue
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    tried[name] = median(timed_ms(lambda: self.core(q, prefix, extend, kernel), device, iters))
-            except (RuntimeError, NotImplementedError, torch.OutOfMemoryError) as e:
-                tried[name] = f"unavailable: {str(e).splitlines()[0][:160]}"
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-        timed = {n: t for n, t in tried.items() if isinstance(t, float)}
-        if not timed:
+            for copy_keys in (False, True) if extend > 1 else (False,):
+                label = f"{name} (K copied to {self.attn.heads} heads)" if copy_keys else name
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        tried[label] = median(timed_ms(lambda: self.core(q, prefix, extend, kernel, copy_keys),
+                                                       device, iters))
+                    kernels[label] = (label, kernel, copy_keys)
+                    break
+                except (RuntimeError, NotImplementedError, torch.OutOfMemoryError) as e:
+                    tried[label] = f"unavailable: {str(e).splitlines()[0][:160]}"
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+        if not kernels:
             raise RuntimeError(f"no SDPA kernel ran this dense attention: {tried}")
-        best = min(timed, key=timed.get)
-        self.kernel = (best, dict(_sdpa_backends())[best])
-        return tried
+        best = min(kernels, key=lambda k: tried[k])
+        self.kernel = kernels[best]
+        return tried[best], tried
 
 
-def dense_layer_ms(attn: torch.nn.Module, batch: int, context: int, prefix: int, extend: int, iters: int,
-                   dense: DenseLayer | None = None) -> dict[str, object]:
-    """The dense layer's step at [prefix, prefix + extend): sublayer ms, SDPA-only ms, the kernel, and
-    what each SDPA kernel did. Pass `dense` to reuse its cache (and its kernel choice)."""
+def dense_layer_ms(attn: torch.nn.Module, batch: int, context: int, prefix: int, extend: int,
+                   iters: int) -> dict[str, object]:
+    """The dense layer's step at [prefix, prefix + extend): sublayer ms, SDPA-only ms (the fastest
+    kernel), the shared projections alone (q path, K=V path, output; no attention), what each SDPA
+    kernel did."""
     device = attn.wq_a.weight.device
-    dense = dense or DenseLayer(attn, batch, context, device)
+    dense = DenseLayer(attn, batch, context, device)
     gen = torch.Generator(device).manual_seed(0)
     x = torch.randn(batch * extend, attn.wq_a.in_features, generator=gen, device=device, dtype=attn.wq_a.weight.dtype)
     positions = torch.arange(prefix, prefix + extend, device=device).repeat(batch)
     with torch.inference_mode():
         q, _ = dense.projections(x, positions)
-        tried = dense.pick_kernel(q, prefix, extend, iters) if dense.kernel is None else {}
-        core = timed_ms(lambda: dense.core(q, prefix, extend, dense.kernel[1]), device, iters)
+        core, tried = dense.pick_kernel(q, prefix, extend, iters)
         sublayer = timed_ms(lambda: dense.forward(x, positions, prefix, extend), device, iters)
         projections = timed_ms(lambda: dense.output(dense.projections(x, positions)[0], positions), device, iters)
-    return {"sublayer_ms": median(sublayer), "sdpa_ms": median(core), "projections_ms": median(projections),
+    return {"sublayer_ms": median(sublayer), "sdpa_ms": core, "projections_ms": median(projections),
             "sdpa_kernel": dense.kernel[0], "sdpa_kernels_tried": tried}
