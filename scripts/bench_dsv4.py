@@ -37,7 +37,7 @@ from kestrel.bench.common import now, random_prompts
 from kestrel.bench.dsv4_kv import kv_bytes
 from kestrel.bench.dsv4_layers import LayerContext, dense_layer_ms, v4_layer_ms
 
-SLICE = "kestrel/assets/configs/deepseek-v4-flash-slice"
+SLICE = str(Path(__file__).resolve().parents[1] / "kestrel/assets/configs/deepseek-v4-flash-slice")
 FULL = dict(device="cuda", dtype="bfloat16", prefill_lens=[8192, 32768], decode_ctx=8192, decode_batches=[1, 32],
             layer_ctx=32768, chunk=None, decode_iters=8, layer_iters=5, chunk_iters=2)
 SMOKE = dict(device="cpu", dtype="float32", prefill_lens=[300, 600], decode_ctx=300, decode_batches=[1, 4],
@@ -69,13 +69,13 @@ class AttentionTimer:
             self.marks.append((mark, None))
 
     def take_ms(self) -> float:
+        """The recorded calls' total, and forget them (a call cut short by an error has no end: left out)."""
+        marks = [(s, e) for s, e in self.marks if e is not None]
+        self.marks.clear()
         if self.cuda:
             torch.cuda.synchronize()
-            total = sum(s.elapsed_time(e) for s, e in self.marks)
-        else:
-            total = sum(e - s for s, e in self.marks) * 1e3
-        self.marks.clear()
-        return total
+            return sum(s.elapsed_time(e) for s, e in marks)
+        return sum(e - s for s, e in marks) * 1e3
 
 
 # ---- through the engine ---------------------------------------------------------------------------
@@ -95,16 +95,19 @@ def prefill_once(engine, length: int, rng: random.Random, attn: AttentionTimer) 
     params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     prompt = random_prompts([length], engine.vocab_size, rng)[0]
     engine.runner.forward_events = [] if device.type == "cuda" else None
+    attn.take_ms()
     attn.on = True
-    start = now(device)
-    rid = engine.add_request(prompt_token_ids=prompt, sampling_params=params)
-    while engine.has_work():
-        engine.step()
-    seconds = now(device) - start
-    attn.on = False
+    try:
+        start = now(device)
+        rid = engine.add_request(prompt_token_ids=prompt, sampling_params=params)
+        while engine.has_work():
+            engine.step()
+        seconds = now(device) - start
+    finally:
+        attn.on = False
+        events = engine.runner.forward_events or []
+        engine.runner.forward_events = None
     _finish(engine, [rid])
-    events = engine.runner.forward_events or []
-    engine.runner.forward_events = None
     forward_ms = sum(s.elapsed_time(e) for s, e in events) if events else seconds * 1e3
     attention_ms = attn.take_ms()
     return {"seconds": seconds, "tok_per_s": length / seconds, "forward_ms": forward_ms,
@@ -142,10 +145,9 @@ def decode(engine, context: int, batch: int, iters: int) -> dict:
             start = now(device)
             engine.step()
             walls.append(now(device) - start)
-        events = engine.runner.forward_events or []
-        engine.runner.forward_events = None
-        gpu = [s.elapsed_time(e) for s, e in events]
+        gpu = [s.elapsed_time(e) for s, e in engine.runner.forward_events or []]
     finally:
+        engine.runner.forward_events = None
         _finish(engine, rids)
     step = median(walls)
     return {"batch": batch, "context": context, "running_during_timing": running, "steps_timed": iters,
@@ -279,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny V4 config, fp32, tiny contexts")
     parser.add_argument("--model", default=None, help=f"a V4 config folder (default {SLICE})")
-    parser.add_argument("--budget-s", type=float, default=210, help="skip sections that start after this")
+    parser.add_argument("--budget-s", type=float, default=200,
+                        help="seconds from the start: a section that would begin (or, for decode, finish its "
+                             "prefills) past it is skipped")
     parser.add_argument("--only", default=None, help="comma-separated sections to run (kv_bytes, prefill, decode, "
                                                      "layers, prefill_dense); default all")
     args = parser.parse_args(argv)
@@ -308,12 +312,19 @@ def main(argv: list[str] | None = None) -> int:
                  ("prefill_dense", lambda: prefill_dense(engine, max(p["prefill_lens"]), chunk, p["chunk_iters"]))]
     sections += [(f"decode bs{b}", lambda b=b: decode(engine, p["decode_ctx"], b, p["decode_iters"]))
                  for b in p["decode_batches"]]
+    out = Path(os.environ.get("OUT", "./out"))
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / ("dsv4_smoke.json" if args.smoke else "dsv4.json")
     only = set(args.only.split(",")) if args.only else None
     for name, run in sections:
         if only is not None and name.split(" ")[0] not in only:
             continue
-        if time.monotonic() > deadline:
-            res[name] = f"skipped: past the {args.budget_s:.0f} s budget"
+        left = deadline - time.monotonic()
+        # A decode section first prefills its batch: skip it when that alone would run past the budget.
+        rate = (res.get("prefill") or {}).get(str(p["decode_ctx"])) if name.startswith("decode") else None
+        needed = int(name.split("bs")[1]) * p["decode_ctx"] / rate["tok_per_s"] if isinstance(rate, dict) else 0
+        if left < needed:
+            res[name] = f"skipped: {left:.0f} s left of the {args.budget_s:.0f} s budget, needs ~{needed:.0f} s"
             continue
         t = time.monotonic()
         try:
@@ -323,15 +334,14 @@ def main(argv: list[str] | None = None) -> int:
             res[name] = f"failed: {type(e).__name__}: {e}"
             _free(engine.device)
         print(f"[{name}: {time.monotonic() - t:.1f} s]", json.dumps(res[name], default=str)[:2000], flush=True)
+        json_path.write_text(json.dumps(res, indent=1, default=str))  # so far, in case the run is cut short
     rows = goals(res, p)
     res["goals"] = rows
     res["wall_s"] = time.monotonic() - started
-    out = Path(os.environ.get("OUT", "./out"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / ("dsv4_smoke.json" if args.smoke else "dsv4.json")).write_text(json.dumps(res, indent=1, default=str))
+    json_path.write_text(json.dumps(res, indent=1, default=str))
     engine.shutdown()
     print_table(rows)
-    print(f"  (total {res['wall_s']:.0f} s; JSON in {out})")
+    print(f"  (total {res['wall_s']:.0f} s; JSON in {json_path})")
     return 0
 
 
