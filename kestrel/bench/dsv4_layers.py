@@ -120,7 +120,7 @@ class DenseLayer:
         self.attn = attn
         self.batch = batch
         self.cache = torch.zeros(batch, context, attn.head_dim, dtype=attn.wkv.weight.dtype, device=device)
-        self.kernel: tuple | None = None  # (label, SDPA backend, copy_keys), chosen by `pick_kernel`
+        self.kernel: tuple | None = None  # (label, SDPA backend, copy_keys, tile), chosen by `pick_kernel`
 
     def projections(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.attn
@@ -135,10 +135,13 @@ class DenseLayer:
         wo_a = a.wo_a.weight.unflatten(0, (a.groups, -1))
         return a.wo_b(torch.einsum("tgk,gok->tgo", groups, wo_a).flatten(1))
 
-    def core(self, q: torch.Tensor, prefix: int, extend: int, kernel, copy_keys: bool = False) -> torch.Tensor:
+    def core(self, q: torch.Tensor, prefix: int, extend: int, kernel, copy_keys: bool = False,
+             tile: int | None = None) -> torch.Tensor:
         """q [batch * extend, H, D] over the cache's positions [0, prefix + extend) -> the same shape.
         `copy_keys`: a prefill hands SDPA the one K=V head copied to H heads, for kernels that refuse
-        the broadcast view (the copy is timed with it)."""
+        the broadcast view (the copy is timed with it). `tile`: a prefill runs in query tiles of this
+        many, each with its explicit causal mask (the math kernel, whose logits of a whole chunk at 32k
+        would not fit)."""
         from torch.nn.attention import sdpa_kernel
 
         B, H, D = self.batch, self.attn.heads, self.attn.head_dim
@@ -154,8 +157,15 @@ class DenseLayer:
             qh = q.view(B, extend, H, D).transpose(1, 2)
             kh = keys.expand(B, H, prefix + extend, D)
             kh = kh.contiguous() if copy_keys else kh
-            out = F.scaled_dot_product_attention(qh, kh, kh, attn_mask=causal_lower_right(extend, prefix + extend),
-                                                 scale=self.attn.scale)
+            if tile is None:
+                out = F.scaled_dot_product_attention(qh, kh, kh, scale=self.attn.scale,
+                                                     attn_mask=causal_lower_right(extend, prefix + extend))
+            else:
+                k_pos = torch.arange(prefix + extend, device=q.device)
+                q_pos = prefix + torch.arange(extend, device=q.device)
+                out = torch.cat([F.scaled_dot_product_attention(
+                    qh[:, :, a:a + tile], kh, kh, scale=self.attn.scale,
+                    attn_mask=k_pos[None, :] <= q_pos[a:a + tile, None]) for a in range(0, extend, tile)], dim=2)
             return out.transpose(1, 2).reshape(B * extend, H, D)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, prefix: int, extend: int) -> torch.Tensor:
@@ -169,18 +179,21 @@ class DenseLayer:
         device = q.device
         tried: dict[str, object] = {}
         kernels: dict[str, tuple] = {}
+        # Bytes of one query's fp32 logits over all heads and keys: the math kernel materialises them.
+        row_bytes = self.batch * self.attn.heads * (prefix + extend) * 4
         for name, kernel in _sdpa_backends():
-            if name == "math" and self.batch * self.attn.heads * extend * (prefix + extend) * 4 > 16 * 2**30:
-                tried[name] = "skipped: its [heads, queries, keys] fp32 logits would pass 16 GiB"
-                continue
+            tile = None
+            if name == "math" and extend > 1 and row_bytes * extend > 16 * 2**30:
+                tile = max(1, 2 * 2**30 // row_bytes)
             for copy_keys in (False, True) if extend > 1 else (False,):
-                label = f"{name} (K copied to {self.attn.heads} heads)" if copy_keys else name
+                label = name + (f" (query tiles of {tile})" if tile else "") + \
+                    (f" (K copied to {self.attn.heads} heads)" if copy_keys else "")
                 try:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")
-                        tried[label] = median(timed_ms(lambda: self.core(q, prefix, extend, kernel, copy_keys),
-                                                       device, iters))
-                    kernels[label] = (label, kernel, copy_keys)
+                        tried[label] = median(timed_ms(
+                            lambda: self.core(q, prefix, extend, kernel, copy_keys, tile), device, iters))
+                    kernels[label] = (label, kernel, copy_keys, tile)
                     break
                 except (RuntimeError, NotImplementedError, torch.OutOfMemoryError) as e:
                     tried[label] = f"unavailable: {str(e).splitlines()[0][:160]}"

@@ -38,8 +38,9 @@ def test_measured_kv_bytes_are_the_layouts_declared_bytes() -> None:
 
 
 def test_dense_layer_is_full_causal_attention() -> None:
-    """DenseLayer.core (the decode fold and the prefill's lower-right causal mask) against an explicit
-    softmax over every earlier position, for two requests at the same positions."""
+    """DenseLayer.core (the decode fold, the prefill's lower-right causal mask, and its query tiles with an
+    explicit mask) against an explicit softmax over every earlier position, for two requests at the
+    same positions."""
     from torch.nn.attention import SDPBackend
 
     from tests.model.dsv4_reference import RefConfig
@@ -51,11 +52,11 @@ def test_dense_layer_is_full_causal_attention() -> None:
     dense = DenseLayer(attn, batch, context, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     dense.cache.copy_(torch.randn(batch, context, D, generator=g))
-    for prefix, extend in ((39, 1), (25, 15)):
+    for prefix, extend, tile in ((39, 1, None), (25, 15, None), (25, 15, 4)):
         q = torch.randn(batch * extend, H, D, generator=g)
-        out = dense.core(q, prefix, extend, SDPBackend.MATH).view(batch, extend, H, D)
-        for b in range(batch):
-            for t in range(extend):
-                keys = dense.cache[b, :prefix + t + 1]
-                weights = torch.softmax(q.view(batch, extend, H, D)[b, t] @ keys.T * attn.scale, dim=-1)
-                torch.testing.assert_close(out[b, t], weights @ keys, rtol=1e-5, atol=1e-5)
+        out = dense.core(q, prefix, extend, SDPBackend.MATH, tile=tile).view(batch, extend, H, D)
+        keys = dense.cache[:, :prefix + extend]  # [B, S, D]
+        logits = torch.einsum("bthd,bsd->bths", q.view(batch, extend, H, D), keys) * attn.scale
+        visible = torch.arange(prefix + extend)[None, :] <= prefix + torch.arange(extend)[:, None]  # [T, S]
+        weights = torch.softmax(logits.masked_fill(~visible[None, :, None, :], float("-inf")), dim=-1)
+        torch.testing.assert_close(out, torch.einsum("bths,bsd->bthd", weights, keys), rtol=1e-5, atol=1e-5)
