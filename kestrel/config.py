@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -31,7 +34,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    page_size: int = 1
+    page_size: int | None = None  # tokens per KV page; unset: the smallest the model's KV layout allows
     max_total_tokens: int | None = None  # KV pool size in tokens; on CUDA derived from memory if unset
     mem_fraction_static: float | None = None  # share of GPU memory for weights + KV pool
     disable_radix_cache: bool = False
@@ -193,17 +196,16 @@ class EngineConfig:
             raise ValueError(f"context_length must be >= 1, got {context_length}")
 
         c = self.cache
-        if c.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {c.page_size}")
-        if c.max_total_tokens is not None and c.max_total_tokens < c.page_size:
-            raise ValueError(f"max_total_tokens must be >= page_size ({c.page_size}), got {c.max_total_tokens}")
+        page_size = _resolve_page_size(c.page_size, hf)
+        if c.max_total_tokens is not None and c.max_total_tokens < page_size:
+            raise ValueError(f"max_total_tokens must be >= page_size ({page_size}), got {c.max_total_tokens}")
         mem_fraction = c.mem_fraction_static
         if mem_fraction is not None and not 0 < mem_fraction < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction}")
         max_total_tokens = c.max_total_tokens
         if not on_gpu and max_total_tokens is None:
             max_total_tokens = 32768  # CPU: no memory probe, a fixed pool that fits any test model
-        cache = dataclasses.replace(c, max_total_tokens=max_total_tokens,
+        cache = dataclasses.replace(c, page_size=page_size, max_total_tokens=max_total_tokens,
                                     mem_fraction_static=mem_fraction if mem_fraction else 0.85)
 
         s = self.scheduler
@@ -239,6 +241,25 @@ class EngineConfig:
                 out, cache=dataclasses.replace(out.cache, disable_radix_cache=True),
                 scheduler=dataclasses.replace(out.scheduler, chunked_prefill_size=-1))
         return out
+
+
+def _resolve_page_size(page_size: int | None, hf: dict[str, Any]) -> int:
+    """The given page size, checked against the model's KV layout; unset: 1, or the layout's block
+    ratio (128 for DeepSeek-V4, whose compressed entries each cover 128 positions of one page)."""
+    from kestrel.models.registry import kv_page_multiple
+
+    if page_size is not None and page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    multiple = kv_page_multiple(hf)
+    if page_size is None:
+        if multiple > 1:
+            logger.info("page_size %d: this model's KV layout stores blocks of up to %d positions, and a block "
+                        "must not straddle two pages", multiple, multiple)
+        return multiple
+    if page_size % multiple:
+        raise ValueError(f"page_size must be a multiple of {multiple} for this model's compressed KV blocks, got "
+                         f"{page_size}; use --page-size {multiple} or leave it unset")
+    return page_size
 
 
 def _check_server(server: ServerConfig) -> None:

@@ -1,6 +1,8 @@
 """HF `architectures` names -> kestrel model classes."""
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from kestrel.models.deepseek_v4.model import DeepseekV4ForCausalLM
@@ -32,3 +34,16 @@ def needs_dsv4_attention(architectures: list[str]) -> bool:
     """DeepSeek-V4's sliding-window + compressed sparse attention runs only on a V4-capable backend
     (and such a backend serves nothing else)."""
     return "DeepseekV4ForCausalLM" in architectures
+
+
+def kv_page_multiple(hf_config: dict[str, Any]) -> int:
+    """KV page sizes must be multiples of this for the model of `hf_config` (config.json): the ratio
+    of its compressed KV blocks (DeepSeek-V4), else 1. Reads the config only, builds no model."""
+    if not needs_dsv4_attention(hf_config.get("architectures") or []):
+        return 1
+    import torch
+
+    from kestrel.models.deepseek_v4.config import parse_v4_config
+    from kestrel.models.deepseek_v4.kv_layout import v4_kv_layout
+
+    return v4_kv_layout(parse_v4_config(hf_config), torch.bfloat16).page_multiple

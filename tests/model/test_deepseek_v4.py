@@ -203,7 +203,8 @@ def test_kv_layout_accounting() -> None:
 
 
 def test_engine_greedy_equals_the_reference(weights, tmp_path) -> None:
-    """Through the Engine (KV memory built from the model's layout, pages of 128, prefix caching off):
+    """Through the Engine (KV memory built from the model's layout, pages of 128 chosen by default, prefix
+    caching off):
     greedy tokens of two prompts of different lengths equal the reference's argmax, recomputed in full."""
     import json
 
@@ -215,9 +216,9 @@ def test_engine_greedy_equals_the_reference(weights, tmp_path) -> None:
     save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp_path / "model.safetensors"))
     prompts = [_ids(130, seed=3), _ids(61, seed=4)]
     params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
-    with Engine(model=str(tmp_path), device="cpu", dtype="float32", page_size=128, max_total_tokens=2048,
+    with Engine(model=str(tmp_path), device="cpu", dtype="float32", max_total_tokens=2048,
                 chunked_prefill_size=100) as engine:
-        assert engine.radix.disabled
+        assert engine.radix.disabled and engine.kv_memory.allocator.page_size == 128
         outs = [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling_params=params)]
         assert engine.kv_memory.allocator.available_size() == engine.kv_memory.allocator.size
     for prompt, out in zip(prompts, outs):

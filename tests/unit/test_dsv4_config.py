@@ -70,3 +70,13 @@ def test_v4_model_defaults_to_dsv4_and_rejects_other_backends() -> None:
 def test_dsv4_backend_for_another_model_is_an_error() -> None:
     with pytest.raises(ValueError, match="serves only DeepSeek-V4 models"):
         EngineConfig.from_flat(model="demo", device="cpu", decode_attention_backend="dsv4").resolve()
+
+
+def test_page_size_defaults_to_the_kv_block_ratio_for_v4_and_1_otherwise(caplog) -> None:
+    with caplog.at_level("INFO", logger="kestrel.config"):
+        v4 = EngineConfig.from_flat(model=str(SLICE), device="cpu").resolve()
+    assert v4.cache.page_size == 128 and "page_size 128" in caplog.text
+    assert EngineConfig.from_flat(model=str(SLICE), device="cpu", page_size=256).resolve().cache.page_size == 256
+    assert EngineConfig.from_flat(model="demo", device="cpu").resolve().cache.page_size == 1
+    with pytest.raises(ValueError, match="page_size must be a multiple of 128 .* got 64; use --page-size 128"):
+        EngineConfig.from_flat(model=str(SLICE), device="cpu", page_size=64).resolve()

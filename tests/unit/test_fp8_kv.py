@@ -159,7 +159,7 @@ def test_fp8_pool_bytes_are_one_per_element_and_size_the_pool():
 
 def test_fp8_pool_holds_twice_the_tokens_in_the_same_gpu_budget(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * 2**30, 20 * 2**30))
-    cache = dataclasses.replace(CacheConfig(), mem_fraction_static=0.9)
+    cache = dataclasses.replace(CacheConfig(), page_size=1, mem_fraction_static=0.9)  # as resolve() leaves it
     bf16 = KVLayout.full_attention(32, 8, 128, torch.bfloat16)
     fp8 = KVLayout.full_attention(32, 8, 128, torch.float8_e4m3fn)
     tokens_bf16 = pool_size(cache, [bf16], 8, torch.device("cuda"))
