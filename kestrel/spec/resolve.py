@@ -136,7 +136,8 @@ def _draft_path(spec: "SpeculativeConfig", target_path: str, target_hf: dict[str
         raise ValueError(f"NEXTN drafts with the target's own MTP layers: speculative_draft_model_path must be "
                          f"the target's folder ({target_path}) or unset, got {path}")
     draft_hf = read_hf_config(path)
-    if algorithm == "NEXTN" and not draft_hf.get("num_nextn_predict_layers"):
+    # HF's spelling, or DeepSeek's native config.json (REF ModelArgs)
+    if algorithm == "NEXTN" and not (draft_hf.get("num_nextn_predict_layers") or draft_hf.get("n_mtp_layers")):
         raise ValueError(f"NEXTN drafts with the MTP layers of the checkpoint at {path}, which has none "
                          "(num_nextn_predict_layers is unset); use EAGLE/EAGLE3 with a head or STANDALONE")
     if algorithm in ("EAGLE", "EAGLE3"):
