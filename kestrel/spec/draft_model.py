@@ -84,17 +84,14 @@ def load_draft(config: Any, target: nn.Module, dtype: torch.dtype, device: torch
 
 
 def _nextn_draft(target: nn.Module, dtype: torch.dtype) -> Draft:
-    """The target's own MTP layer (DeepSeek-V4), reading the target's pre-hc_head streams."""
+    """The target's own MTP layer (a DeepSeek-V4 target: `resolve_speculative` checked), reading the
+    target's pre-hc_head streams."""
     from kestrel.models.deepseek_v4.kv_layout import mtp_kv_layout
-    from kestrel.models.deepseek_v4.model import DeepseekV4ForCausalLM
     from kestrel.models.deepseek_v4.mtp import MTPDraft
 
-    if not isinstance(target, DeepseekV4ForCausalLM):
-        raise ValueError(f"NEXTN drafts with a DeepSeek-V4 target's MTP layer; {type(target).__name__} has none "
-                         "kestrel can run (use EAGLE/EAGLE3 with a head, or STANDALONE)")
     if not len(target.mtp):
-        raise ValueError("NEXTN needs the target's MTP layer, but it was not loaded (num_nextn_predict_layers = 0, "
-                         "or a checkpoint without mtp.* tensors)")
+        raise ValueError("NEXTN needs the target's MTP layer, but its checkpoint has no mtp.* tensors (a folder "
+                         "saved by transformers keeps none); use DeepSeek's own checkpoint")
     cfg = target.config
     return Draft(MTPDraft(target), mtp_kv_layout(cfg, dtype), uses_features=True,
                  target_capture=(cfg.num_hidden_layers,))

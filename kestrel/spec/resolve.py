@@ -140,6 +140,9 @@ def _draft_path(spec: "SpeculativeConfig", target_path: str, target_hf: dict[str
     if algorithm == "NEXTN" and not (draft_hf.get("num_nextn_predict_layers") or draft_hf.get("n_mtp_layers")):
         raise ValueError(f"NEXTN drafts with the MTP layers of the checkpoint at {path}, which has none "
                          "(num_nextn_predict_layers is unset); use EAGLE/EAGLE3 with a head or STANDALONE")
+    if algorithm == "NEXTN" and not _dsv4_target(target_hf):
+        raise ValueError(f"NEXTN drafts with a DeepSeek-V4 target's MTP layer; {target_hf.get('architectures')} has "
+                         "none kestrel can run (use EAGLE/EAGLE3 with a head, or STANDALONE)")
     if algorithm in ("EAGLE", "EAGLE3"):
         from kestrel.models.llama_eagle import check_eagle_head
 
