@@ -64,11 +64,15 @@ def resolve_speculative(spec: "SpeculativeConfig", target_path: str, target_hf: 
             logger.warning("speculative_num_draft_tokens=%d is set to speculative_num_steps + 1 = %d, as "
                            "speculative_eagle_topk=1 drafts a chain", draft_tokens, steps + 1)
         draft_tokens = steps + 1
-    if topk > 1 and _dsv4_target(target_hf):
+    if _dsv4_target(target_hf):
         # Its backend keeps each request's window ring and compressor state by position, one entry per
         # position, which a tree's sibling nodes would share.
-        raise ValueError(f"speculative_eagle_topk={topk}: a DeepSeek-V4 target verifies chains only; set "
-                         "speculative_eagle_topk=1 (and speculative_num_draft_tokens = speculative_num_steps + 1)")
+        if algorithm == "NGRAM":
+            raise ValueError("NGRAM is not supported on DeepSeek-V4 targets: its trees are padded with sibling "
+                             "nodes, and a DeepSeek-V4 target verifies chains only (use NEXTN)")
+        if topk > 1:
+            raise ValueError(f"speculative_eagle_topk={topk}: a DeepSeek-V4 target verifies chains only; set "
+                             "speculative_eagle_topk=1 (and speculative_num_draft_tokens = speculative_num_steps + 1)")
     proposed = topk + (steps - 1) * topk * topk  # step 0 proposes topk nodes, each later step topk^2
     if algorithm != "NGRAM" and draft_tokens - 1 > proposed:
         raise ValueError(f"speculative_num_draft_tokens={draft_tokens} is more than the root plus the {proposed} "

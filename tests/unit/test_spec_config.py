@@ -156,6 +156,8 @@ def test_nextn_on_deepseek_v4_takes_chains_and_the_targets_own_mtp_layer(dirs, t
     tree = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=4)
     with pytest.raises(ValueError, match="speculative_eagle_topk=2: a DeepSeek-V4 target verifies chains only"):
         EngineConfig.from_flat(**cfg, **tree).resolve()
+    with pytest.raises(ValueError, match="NGRAM is not supported on DeepSeek-V4 targets"):
+        EngineConfig.from_flat(**{**cfg, "speculative_algorithm": "NGRAM"}).resolve()
     with pytest.raises(ValueError, match="NEXTN drafts with the target's own MTP layers: speculative_draft_model_path "
                                          "must be the target's folder"):
         EngineConfig.from_flat(**cfg, speculative_draft_model_path=dirs["mtp"]).resolve()
