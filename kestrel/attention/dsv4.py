@@ -4,13 +4,19 @@ the one softmax over sliding window ∪ compressed entries with the attention si
 The model owns the math (projections, the compressor's pooling, the indexer's scores); this backend
 owns where state lives and the attention itself, so a faster kernel replaces only this file. Buffers,
 by name, in `pools.layer(layer_id)` (declared by `kestrel/models/deepseek_v4/kv_layout.py`):
-- `swa_kv` [rows, window, D], REQUEST: the raw K=V of positions p at p mod window;
+- the window's raw K=V: `swa_kv` [rows, ring, D], REQUEST, position p at p mod ring (main layers); or
+  `win_kv` [slots, D], TOKEN, at the position's slot (the MTP layer in a NEXTN draft's pools, whose
+  lanes read and write through their own `req_to_token` rows);
 - compressor state (REQUEST): raw rows of the current partial block (and, with overlap, the last full
   one) at p mod ring, e.g. `comp_kv` / `comp_score`, `idx_kv` / `idx_score`;
 - compressed entries (BLOCK): block i of a request at `req_to_token[row, i * ratio] // ratio`.
 
 A step is an extend of `extend` tokens after `prefix` already processed ones (decode = extend of 1):
 reads of earlier state happen before this step's writes, so one path serves prefill chunks and decode.
+A TARGET_VERIFY is such an extend too, so its tree must be a chain (speculative_eagle_topk=1): the
+per-request state is kept by position, one entry per position. Its rejected tokens' writes land in
+ring rows no later step reads (the layout makes the rings that much longer) and in compressed blocks
+that the step completing them again rewrites.
 """
 from __future__ import annotations
 
@@ -67,21 +73,35 @@ class DSV4Backend:
         self.spans = [V4Span(r, p, e, s) for r, p, e, s in zip(rows, batch.prefix_lens_cpu, batch.extend_lens_cpu,
                                                                 starts)]
         self._block_slots = {}
+        self._out_slots = batch.out_cache_loc
+        if batch.tree_mask is not None:
+            chain = torch.cat([torch.ones(e, e, dtype=torch.bool, device=batch.tree_mask.device).tril().flatten()
+                               for e in batch.extend_lens_cpu])
+            if not torch.equal(batch.tree_mask, chain):
+                raise ValueError("the dsv4 backend verifies chains only: set speculative_eagle_topk=1")
 
     # ---- sliding window ------------------------------------------------------------------------------
-    def window_keys(self, layer_id: int, kv: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
-        """Per request: (keys of positions [first, seq), first), i.e. the window before this step's
-        first query and the step's own keys kv [T, D]; then the ring keeps the last `window`."""
-        ring = self.pools.layer(layer_id).swa_kv
-        window = ring.shape[1]
+    def window_keys(self, layer_id: int, kv: torch.Tensor, window_size: int) -> list[tuple[torch.Tensor, int]]:
+        """Per request: (keys of positions [first, seq), first), i.e. the `window_size - 1` positions
+        before this step's first query and the step's own keys kv [T, D]; then the step's keys are stored."""
+        layer = self.pools.layer(layer_id)
+        per_slot = getattr(layer, "win_kv", None)
+        ring = None if per_slot is not None else layer.swa_kv
         out = []
         for s in self.spans:
-            first = max(0, s.prefix - window + 1)
-            old = ring[s.row, torch.arange(first, s.prefix, device=kv.device) % window]
+            first = max(0, s.prefix - window_size + 1)
+            if per_slot is not None:
+                old = per_slot[self.req_to_token.table[s.row, first:s.prefix]]
+            else:
+                old = ring[s.row, torch.arange(first, s.prefix, device=kv.device) % ring.shape[1]]
             out.append((torch.cat([old.to(kv.dtype), kv[s.tokens]]), first))
+        if per_slot is not None:
+            per_slot[self._out_slots] = kv.to(per_slot.dtype)
+            return out
+        size = ring.shape[1]
         for s in self.spans:
-            keep = torch.arange(max(s.prefix, s.seq - window), s.seq, device=kv.device)
-            ring[s.row, keep % window] = kv[s.start + keep - s.prefix].to(ring.dtype)
+            keep = torch.arange(max(s.prefix, s.seq - size), s.seq, device=kv.device)
+            ring[s.row, keep % size] = kv[s.start + keep - s.prefix].to(ring.dtype)
         return out
 
     # ---- compressor state ----------------------------------------------------------------------------

@@ -66,9 +66,6 @@ class Engine:
             raise TypeError("pass either config or model/engine options, not both")
         self.config = config = config.resolve()
         spec = config.speculative
-        if spec.speculative_algorithm == "NEXTN":
-            raise ValueError("speculative decoding with NEXTN (the model's MTP layers) is not wired into the engine "
-                             "yet; EAGLE, EAGLE3, STANDALONE and NGRAM are")
         if logger.isEnabledFor(logging.DEBUG):
             from kestrel.attention.explain import explain_plan
 
@@ -90,17 +87,18 @@ class Engine:
 
         # ---- KV memory: the engine's, shaped by the model (and its draft) -------------------------
         sched = config.scheduler
+        # A verify step's new tokens, all written before acceptance rolls some back.
+        step_tokens = (spec.speculative_num_draft_tokens or 1) if spec.speculative_algorithm else 1
         # The draft's KV stays in the model dtype: a draft head's pool is small, and FP8 there would cost acceptance.
-        layouts = [model.kv_layout(kv_cache_dtype(config.cache.kv_cache_dtype, dtype))] + \
+        layouts = [model.kv_layout(kv_cache_dtype(config.cache.kv_cache_dtype, dtype), step_tokens)] + \
             ([draft.kv_layout] if draft is not None else [])
         if layouts[0].prefix_cache_unsupported and not config.cache.disable_radix_cache:
             logger.warning("prefix caching is off for this model: %s", layouts[0].prefix_cache_unsupported)
             config = self.config = dataclasses.replace(
                 config, cache=dataclasses.replace(config.cache, disable_radix_cache=True))
         size = pool_size(config.cache, layouts, sched.max_running_requests, self.device)
-        slack = (spec.speculative_num_draft_tokens or 1) - 1 if spec.speculative_algorithm else 0
         self.kv_memory = KVMemory(layouts, size, config.cache.page_size, sched.max_running_requests,
-                                  config.model.context_length, self.device, step_slack=slack,
+                                  config.model.context_length, self.device, step_slack=step_tokens - 1,
                                   draft_scratch=DraftWorker.scratch_slots(config) if draft is not None else 0)
         alloc = self.kv_memory.allocator
         logger.info("KV pool: %d tokens (%.2f GiB, %s), page size %d", alloc.size,

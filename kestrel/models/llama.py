@@ -127,7 +127,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.model(input_ids, positions, batch)
 
-    def kv_layout(self, dtype: torch.dtype) -> KVLayout:
+    def kv_layout(self, dtype: torch.dtype, speculative_tokens: int = 1) -> KVLayout:
+        """`speculative_tokens` needs nothing here: a verify's rejected tokens are rolled back by slot."""
         cfg = self.config
         return KVLayout.full_attention(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
 

@@ -1,9 +1,9 @@
-"""The draft model of a speculative engine, behind one interface for EAGLE, EAGLE-3 and STANDALONE.
+"""The draft model of a speculative engine, behind one interface for EAGLE, EAGLE-3, NEXTN and STANDALONE.
 
 A draft runs in its own ModelRunner over its own KV pools (the engine's KV memory, same slots as the
 target). Two kinds:
-- feature drafts (EAGLE, EAGLE-3): draft position p reads token p + 1 and a feature of position p (the
-  target's hidden state, or during drafting the draft's own output at p - 1); its KV at p therefore
+- feature drafts (EAGLE, EAGLE-3, NEXTN): draft position p reads token p + 1 and a feature of position p
+  (the target's hidden state, or during drafting the draft's own output at p - 1); its KV at p therefore
   exists once token p + 1 is known, and it lags the target by nothing at the end of a step;
 - STANDALONE: a small LM over the same tokens as the target, position p reading token p.
 """
@@ -28,6 +28,7 @@ class HeadAsModel(nn.Module):
         super().__init__()
         self.head = head
         self.config = head.config
+        self.feature_size = head.config.hidden_size  # the width of `spec_features` and of the output
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         assert batch.spec_features is not None, "an EAGLE head's forward needs the features of its positions"
@@ -39,7 +40,9 @@ class HeadAsModel(nn.Module):
 
 @dataclass
 class Draft:
-    model: nn.Module  # forward(input_ids, positions, batch) -> hidden [T, H]; compute_logits(hidden)
+    # forward(input_ids, positions, batch) -> hidden [T, H]; compute_logits(hidden); a feature draft's
+    # `feature_size` is the width of its feature input, which its hidden output (the next step's) shares.
+    model: nn.Module
     kv_layout: KVLayout
     uses_features: bool
     # The target's side: the layers whose inputs are captured as features (EAGLE-3), else () for the
@@ -75,4 +78,20 @@ def load_draft(config: Any, target: nn.Module, dtype: torch.dtype, device: torch
             return Draft(HeadAsModel(head), layout, uses_features=True)
         return Draft(HeadAsModel(head), layout, uses_features=True, target_capture=head.target_hidden_layers,
                      features=head.project_target_hidden)
+    if algorithm == "NEXTN":
+        return _nextn_draft(target, dtype)
     raise ValueError(f"speculative_algorithm={algorithm} has no draft model kestrel can run here")
+
+
+def _nextn_draft(target: nn.Module, dtype: torch.dtype) -> Draft:
+    """The target's own MTP layer (a DeepSeek-V4 target: `resolve_speculative` checked), reading the
+    target's pre-hc_head streams."""
+    from kestrel.models.deepseek_v4.kv_layout import mtp_kv_layout
+    from kestrel.models.deepseek_v4.mtp import MTPDraft
+
+    if not len(target.mtp):
+        raise ValueError("NEXTN needs the target's MTP layer, but its checkpoint has no mtp.* tensors (a folder "
+                         "saved by transformers keeps none); use DeepSeek's own checkpoint")
+    cfg = target.config
+    return Draft(MTPDraft(target), mtp_kv_layout(cfg, dtype), uses_features=True,
+                 target_capture=(cfg.num_hidden_layers,))

@@ -1,4 +1,4 @@
-"""The speculative loop of the draft-model algorithms: EAGLE, EAGLE-3 and STANDALONE (spec §2).
+"""The speculative loop of the draft-model algorithms: EAGLE, EAGLE-3, NEXTN and STANDALONE (spec §2).
 
 Every step the target runs, the draft catches up on the same positions (DRAFT_EXTEND), so that at
 the end of a step the draft's KV covers exactly the positions with target KV, and a feature draft
@@ -62,7 +62,7 @@ class DraftWorker:
         first_level = feature = None
         if draft.uses_features:  # the last DRAFT_EXTEND's output per request row: the next tree's first level
             rows, dtype = max_requests + 1, next(draft.model.parameters()).dtype
-            feature = (draft.model.config.hidden_size, dtype)
+            feature = (draft.model.feature_size, dtype)
             first_level = (torch.zeros(rows, self.topk, device=self.device),
                            torch.zeros(rows, self.topk, dtype=torch.int64, device=self.device),
                            torch.zeros(rows, feature[0], dtype=dtype, device=self.device))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -63,6 +64,15 @@ def resolve_speculative(spec: "SpeculativeConfig", target_path: str, target_hf: 
             logger.warning("speculative_num_draft_tokens=%d is set to speculative_num_steps + 1 = %d, as "
                            "speculative_eagle_topk=1 drafts a chain", draft_tokens, steps + 1)
         draft_tokens = steps + 1
+    if _dsv4_target(target_hf):
+        # Its backend keeps each request's window ring and compressor state by position, one entry per
+        # position, which a tree's sibling nodes would share.
+        if algorithm == "NGRAM":
+            raise ValueError("NGRAM is not supported on DeepSeek-V4 targets: its trees are padded with sibling "
+                             "nodes, and a DeepSeek-V4 target verifies chains only (use NEXTN)")
+        if topk > 1:
+            raise ValueError(f"speculative_eagle_topk={topk}: a DeepSeek-V4 target verifies chains only; set "
+                             "speculative_eagle_topk=1 (and speculative_num_draft_tokens = speculative_num_steps + 1)")
     proposed = topk + (steps - 1) * topk * topk  # step 0 proposes topk nodes, each later step topk^2
     if algorithm != "NGRAM" and draft_tokens - 1 > proposed:
         raise ValueError(f"speculative_num_draft_tokens={draft_tokens} is more than the root plus the {proposed} "
@@ -95,6 +105,12 @@ def _ngram_shape(spec: "SpeculativeConfig", target_hf: dict[str, Any]) -> tuple[
     return steps, topk, draft_tokens
 
 
+def _dsv4_target(target_hf: dict[str, Any]) -> bool:
+    from kestrel.models.registry import needs_dsv4_attention
+
+    return needs_dsv4_attention(target_hf.get("architectures") or [])
+
+
 def _llama_like(target_hf: dict[str, Any]) -> bool:
     from kestrel.models.llama import LlamaForCausalLM
     from kestrel.models.registry import supported_architectures, model_class
@@ -120,10 +136,17 @@ def _draft_path(spec: "SpeculativeConfig", target_path: str, target_hf: dict[str
                              f"of the {'draft model' if algorithm == 'STANDALONE' else algorithm + ' head'}{example}")
         path = target_path  # the MTP layers live in the target's own checkpoint
     path = resolve_model_path(path)
+    if algorithm == "NEXTN" and os.path.realpath(path) != os.path.realpath(target_path):
+        raise ValueError(f"NEXTN drafts with the target's own MTP layers: speculative_draft_model_path must be "
+                         f"the target's folder ({target_path}) or unset, got {path}")
     draft_hf = read_hf_config(path)
-    if algorithm == "NEXTN" and not draft_hf.get("num_nextn_predict_layers"):
+    # HF's spelling, or DeepSeek's native config.json (REF ModelArgs)
+    if algorithm == "NEXTN" and not (draft_hf.get("num_nextn_predict_layers") or draft_hf.get("n_mtp_layers")):
         raise ValueError(f"NEXTN drafts with the MTP layers of the checkpoint at {path}, which has none "
                          "(num_nextn_predict_layers is unset); use EAGLE/EAGLE3 with a head or STANDALONE")
+    if algorithm == "NEXTN" and not _dsv4_target(target_hf):
+        raise ValueError(f"NEXTN drafts with a DeepSeek-V4 target's MTP layer; {target_hf.get('architectures')} has "
+                         "none kestrel can run (use EAGLE/EAGLE3 with a head, or STANDALONE)")
     if algorithm in ("EAGLE", "EAGLE3"):
         from kestrel.models.llama_eagle import check_eagle_head
 

@@ -1,6 +1,7 @@
 """Drives a DeepSeek-V4 model (or one of its layers) through its incremental path, as the engine would:
 the KV memory built from the model's `KVLayout`, pages from the allocator, `req_to_token` rows
-filled before each step, one ForwardBatch per step with the dsv4 backend."""
+filled before each step, one ForwardBatch per step with the dsv4 backend. With `with_mtp`, the memory
+also has the MTP layer's pools (a NEXTN draft's) behind the same slots, served by `mtp_backend`."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -11,22 +12,24 @@ from kestrel.attention.dsv4 import DSV4Backend
 from kestrel.cache.kv_memory import KVMemory
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.core.forward_mode import ForwardMode
+from kestrel.models.deepseek_v4.kv_layout import mtp_kv_layout
 
 PAGE_SIZE = 128
 
 
 class V4Harness:
     def __init__(self, model: torch.nn.Module, num_requests: int, max_context: int = 1024,
-                 pool_tokens: int = 8192) -> None:
+                 pool_tokens: int = 8192, with_mtp: bool = False) -> None:
         self.model = model
-        layout = model.kv_layout(torch.float32)
-        self.memory = KVMemory([layout], pool_tokens, PAGE_SIZE, num_requests, max_context, "cpu")
+        layouts = [model.kv_layout(torch.float32)] + ([mtp_kv_layout(model.config, torch.float32)] if with_mtp else [])
+        self.memory = KVMemory(layouts, pool_tokens, PAGE_SIZE, num_requests, max_context, "cpu")
         self.backend = DSV4Backend(self.memory.pools[0], self.memory.req_to_token)
+        self.mtp_backend = DSV4Backend(self.memory.pools[1], self.memory.req_to_token) if with_mtp else None
         self.rows = [self.memory.req_to_token.alloc() for _ in range(num_requests)]
         self.lens = [0] * num_requests
         self.last_loc = [0] * num_requests
 
-    def batch(self, chunks: list[list[int]], requests: list[int]) -> ForwardBatch:
+    def batch(self, chunks: list[list[int]], requests: list[int], backend: DSV4Backend) -> ForwardBatch:
         """Allocate slots for `chunks[j]` as request `requests[j]`'s next tokens; the step's batch."""
         prefix = [self.lens[r] for r in requests]
         extend = [len(c) for c in chunks]
@@ -48,14 +51,16 @@ class V4Harness:
             prefix_lens=torch.tensor(prefix), extend_lens=torch.tensor(extend), seq_lens_cpu=seq,
             prefix_lens_cpu=prefix, extend_lens_cpu=extend, max_extend=max(extend),
             logits_indices=torch.tensor(extend).cumsum(0) - 1,
-            attn_backend=self.backend)
+            attn_backend=backend)
 
     def run(self, fn: Callable[[torch.Tensor, torch.Tensor, ForwardBatch], torch.Tensor],
-            chunks: list[list[int]], requests: list[int] | None = None) -> list[torch.Tensor]:
-        """One step of `fn(input_ids, positions, batch)`; its output split per request."""
+            chunks: list[list[int]], requests: list[int] | None = None, mtp: bool = False) -> list[torch.Tensor]:
+        """One step of `fn(input_ids, positions, batch)` (on the MTP layer's pools with `mtp`); its
+        output split per request."""
         requests = list(range(len(chunks))) if requests is None else requests
-        batch = self.batch(chunks, requests)
-        self.backend.init_forward_metadata(batch)
+        backend = self.mtp_backend if mtp else self.backend
+        batch = self.batch(chunks, requests, backend)
+        backend.init_forward_metadata(batch)
         with torch.no_grad():
             out = fn(batch.input_ids, batch.positions, batch)
         return list(out.split(batch.extend_lens_cpu))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kestrel.models.deepseek_v4.config import parse_v4_config
+from kestrel.models.deepseek_v4.kv_layout import mtp_kv_layout
 from kestrel.models.deepseek_v4.mhc import hc_pre
 from kestrel.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from tests.model import dsv4_reference as ref
@@ -170,18 +171,18 @@ def test_mhc_comb_is_doubly_stochastic_and_matches_reference(model, weights) -> 
 
 def test_mtp_draft_logits_prefill_and_decode(model, weights) -> None:
     """Draft logits from the target's pre-hc_head streams and the next tokens, first for a prefill of
-    40 positions, then a draft step at a time (the MTP layer's own window ring carries over)."""
+    40 positions, then a draft step at a time (the MTP layer's per-slot window store in its own pools)."""
     ids = _ids(61, seed=6)
     target = ref.forward(ids[:60], weights, CFG)
     expected = ref.mtp_forward(target.residual, ids[1:61], weights, CFG)
-    h = V4Harness(model, 1)
+    h = V4Harness(model, 1, with_mtp=True)
     streams = torch.cat(h.run(model.forward_streams, [ids[:60]]))
-    h.lens[0] = 0  # the MTP layer runs over the same positions, with its own state
+    h.lens[0] = 0  # the MTP layer runs over the same positions (and slots), with its own pools
     next_ids = torch.tensor(ids[1:61])
 
     def draft(start: int, end: int) -> torch.Tensor:
         return torch.cat(h.run(lambda i, p, b: model.draft_forward(streams[start:end], next_ids[start:end], p, b)[0],
-                               [ids[start + 1:end + 1]]))
+                               [ids[start + 1:end + 1]], mtp=True))
 
     got = torch.cat([draft(0, 40)] + [draft(p, p + 1) for p in range(40, 60)])
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
@@ -193,13 +194,18 @@ def test_kv_layout_accounting() -> None:
     D, cI, f32 = CFG.head_dim, CFG.index_head_dim, 4
     # Per token: C4 layers 1 and 3 keep (D + cI) floats per 4 tokens, the C128 layer 2 D per 128.
     assert layout.bytes_per_token == f32 * (2 * (D + cI) / 4 + D / 128)
-    # Per request: 5 window rings (4 layers + MTP); per C4 layer kv and score rows of 8 positions for
-    # both compressors (2x wide: overlap); for the C128 layer kv and score rows of 128 positions.
-    rings = 5 * CFG.sliding_window * D
+    # Per request: 4 window rings (the MTP layer's KV is a NEXTN draft's); per C4 layer kv and score rows
+    # of 8 positions for both compressors (2x wide: overlap); for the C128 layer kv and score rows of 128.
+    rings = 4 * CFG.sliding_window * D
     c4_state = 2 * (2 * 8 * 2 * D + 2 * 8 * 2 * cI)
     c128_state = 2 * 128 * D
     assert layout.bytes_per_request == f32 * (rings + c4_state + c128_state)
     assert layout.page_multiple == 128 and "per-request state" in layout.prefix_cache_unsupported
+    # A verify of 4 tokens makes every ring 3 rows longer; the MTP layer keeps one entry per slot.
+    spec = DeepseekV4ForCausalLM(cfg).kv_layout(torch.float32, speculative_tokens=4)
+    assert spec.bytes_per_request == f32 * (4 * (CFG.sliding_window + 3) * D + 2 * (2 * 11 * 2 * D + 2 * 11 * 2 * cI)
+                                            + 2 * 131 * D)
+    assert mtp_kv_layout(cfg, torch.float32).bytes_per_token == f32 * D
 
 
 def test_engine_greedy_equals_the_reference(weights, tmp_path) -> None:

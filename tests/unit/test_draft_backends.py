@@ -124,3 +124,30 @@ def test_explain_shows_the_draft_backends(dirs, capsys):
     assert "draft backends: none (NGRAM" in capsys.readouterr().out
     assert main(["explain", "--model", dirs["target"], "--device", "cpu"]) == 0
     assert "speculative decoding" not in capsys.readouterr().out
+
+
+@pytest.fixture
+def v4(tmp_path):
+    """A DeepSeek-V4 folder (config only: nothing here loads weights) with one MTP layer."""
+    from tests.model.dsv4_reference import RefConfig
+
+    (tmp_path / "v4").mkdir()
+    (tmp_path / "v4" / "config.json").write_text(json.dumps(RefConfig().native_config()))
+    return str(tmp_path / "v4")
+
+
+def test_nextn_on_deepseek_v4_drafts_on_dsv4_and_refuses_other_backends(v4, capsys):
+    cfg = EngineConfig.from_flat(model=v4, device="cpu", speculative_algorithm="NEXTN").resolve()
+    assert cfg.speculative.speculative_draft_model_path == v4
+    backends = create_draft_backends(cfg, POOLS, REQ_TO_TOKEN)  # 3 steps: 2 lane forwards after the extend
+    assert stamps(backends) == ("dsv4", ["dsv4"] * 2, "dsv4")
+    assert main(["explain", "--model", v4, "--device", "cpu", "--speculative-algorithm", "NEXTN"]) == 0
+    out = capsys.readouterr().out
+    assert "speculative decoding: NEXTN  steps 3, topk 1, draft tokens 4" in out
+    assert f"draft model: {v4}" in out
+    assert "draft decode   dsv4           x2 (one per draft step), the target's decode half" in out
+    assert "draft extend   dsv4           the target's prefill half" in out
+    with pytest.raises(ValueError, match="attention backend 'torch_native' .from speculative_draft_attention_backend. "
+                                         "cannot run DeepSeek-V4's sparse attention; use one of: dsv4"):
+        EngineConfig.from_flat(model=v4, device="cpu", speculative_algorithm="NEXTN",
+                               speculative_draft_attention_backend="sdpa").resolve()

@@ -25,7 +25,8 @@ def dirs(tmp_path):
         "eagle3": _folder(tmp_path / "eagle3", architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=100),
         "draft": _folder(tmp_path / "draft", hidden_size=32),
         "other_vocab": _folder(tmp_path / "other_vocab", vocab_size=1000),
-        "mtp": _folder(tmp_path / "mtp", architectures=["DeepseekV3ForCausalLM"], num_nextn_predict_layers=1),
+        "mtp": _folder(tmp_path / "mtp", architectures=["DeepseekV4ForCausalLM"], num_nextn_predict_layers=1),
+        "v3_mtp": _folder(tmp_path / "v3_mtp", architectures=["DeepseekV3ForCausalLM"], num_nextn_predict_layers=1),
     }
 
 
@@ -141,3 +142,27 @@ def test_engine_refuses_nextn_without_mtp_layers(dirs, tmp_path):
 
     with pytest.raises(ValueError, match="which has none .num_nextn_predict_layers is unset.; use EAGLE/EAGLE3"):
         Engine(model=dirs["target"], device="cpu", speculative_algorithm="NEXTN")
+
+
+def test_nextn_on_deepseek_v4_takes_chains_and_the_targets_own_mtp_layer(dirs, tmp_path):
+    from tests.model.dsv4_reference import RefConfig
+
+    v4 = tmp_path / "v4"
+    v4.mkdir()
+    (v4 / "config.json").write_text(json.dumps(RefConfig().native_config()))  # DeepSeek's n_mtp_layers spelling
+    cfg = dict(model=str(v4), device="cpu", speculative_algorithm="NEXTN")
+    s = EngineConfig.from_flat(**cfg).resolve().speculative
+    assert shape(s) == (3, 1, 4) and s.speculative_draft_model_path == str(v4)
+    tree = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+    with pytest.raises(ValueError, match="speculative_eagle_topk=2: a DeepSeek-V4 target verifies chains only"):
+        EngineConfig.from_flat(**cfg, **tree).resolve()
+    with pytest.raises(ValueError, match="NGRAM is not supported on DeepSeek-V4 targets"):
+        EngineConfig.from_flat(**{**cfg, "speculative_algorithm": "NGRAM"}).resolve()
+    with pytest.raises(ValueError, match="NEXTN drafts with the target's own MTP layers: speculative_draft_model_path "
+                                         "must be the target's folder"):
+        EngineConfig.from_flat(**cfg, speculative_draft_model_path=dirs["mtp"]).resolve()
+
+
+def test_nextn_is_refused_on_a_target_that_is_not_deepseek_v4(dirs):
+    with pytest.raises(ValueError, match=r"NEXTN drafts with a DeepSeek-V4 target's MTP layer; \['DeepseekV3ForCausalLM'\]"):
+        spec(dirs, model="v3_mtp", speculative_algorithm="NEXTN")

@@ -46,7 +46,7 @@ class V4Attention(nn.Module):
         q = q * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + self.eps).to(q.dtype)
         q = self.rope(q, positions)
         kv = self.rope(self.kv_norm(self.wkv(x)), positions)
-        window = backend.window_keys(self.layer_id, kv)
+        window = backend.window_keys(self.layer_id, kv, self.window)
         compressed = visible = None
         if self.ratio:
             self.compressor(x, positions, backend, self.layer_id)  # before attention: a block is visible

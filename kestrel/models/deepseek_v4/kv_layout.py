@@ -1,10 +1,20 @@
-"""What DeepSeek-V4 keeps in the engine's KV memory (spec §6), as a `KVLayout`.
+"""What DeepSeek-V4 keeps in the engine's KV memory (spec §6), as `KVLayout`s: the main layers' (the
+target's) and the MTP layer's (a NEXTN draft's own pools).
 
-Per request (REQUEST rows, fixed size): every layer's sliding-window ring, and each compressor's raw
-rows of the block being filled (ratio 4 with overlap also the last full block: 2 x 4 rows; ratio 128:
-128 rows). Per compressed block (BLOCK, at slot(i * ratio) // ratio): the main compressed entry of
-ratio-4 and ratio-128 layers and the indexer key of ratio-4 layers. Buffer names are the ones the
-dsv4 backend and the model read (`kestrel/attention/dsv4.py`).
+Main layers. Per request (REQUEST rows, fixed size): every layer's sliding-window ring, and each
+compressor's raw rows of the block being filled (ratio 4 with overlap also the last full block: 2 x 4
+rows; ratio 128: 128 rows). Per compressed block (BLOCK, at slot(i * ratio) // ratio): the main
+compressed entry of ratio-4 and ratio-128 layers and the indexer key of ratio-4 layers. Buffer names
+are the ones the dsv4 backend and the model read (`kestrel/attention/dsv4.py`).
+
+Rings hold positions at p mod their size. A speculative verify of `speculative_tokens` tokens writes
+all of them before acceptance, so each ring is `speculative_tokens - 1` rows longer than it needs to
+be: the rows a rejected token overwrites then belong to positions no later step reads (SGLang enlarges
+its rings the same way).
+
+MTP layer (sliding-window attention only in the released models): one K=V entry per slot (TOKEN), so
+a NEXTN draft's lanes write their throw-away KV into scratch slots like every other draft's, and a
+verify's rejected tokens or a padded draft extend leave no trace in state a later step reads.
 """
 from __future__ import annotations
 
@@ -18,33 +28,39 @@ PREFIX_CACHE_UNSUPPORTED = (
     "that is not saved at a reusable prefix boundary, so a radix hit could not resume it exactly")
 
 
-def layer_ratios(cfg: V4Config) -> dict[int, int]:
-    """Compress ratio of every layer with KV, the MTP layer (id num_hidden_layers) included."""
+def v4_kv_layout(cfg: V4Config, dtype: torch.dtype, speculative_tokens: int = 1) -> KVLayout:
+    """The main layers' KV: K=V entries in the model dtype; the compressor's raw rows in float32, as they
+    are computed. `speculative_tokens`: the most new tokens of a step that a verify may roll back."""
     ratios = dict(enumerate(cfg.compress_ratios))
-    if cfg.num_nextn_predict_layers:
-        ratios[cfg.num_hidden_layers] = cfg.mtp_compress_ratio
-    return ratios
-
-
-def v4_kv_layout(cfg: V4Config, dtype: torch.dtype) -> KVLayout:
-    """K=V entries in the model dtype; the compressor's raw rows in float32, as they are computed."""
-    ratios = layer_ratios(cfg)
+    extra = speculative_tokens - 1
     D, c_i, f32 = cfg.head_dim, cfg.index_head_dim, torch.float32
     c4 = tuple(i for i, r in ratios.items() if r == 4)
     c128 = tuple(i for i, r in ratios.items() if r == 128)
-    groups = [KVGroup("swa", tuple(ratios), Indexing.REQUEST, (KVBuffer("swa_kv", (cfg.sliding_window, D), dtype),))]
+    groups = [KVGroup("swa", tuple(ratios), Indexing.REQUEST,
+                      (KVBuffer("swa_kv", (cfg.sliding_window + extra, D), dtype),))]
     if c4:
+        rows = 8 + extra
         groups += [
             KVGroup("c4_state", c4, Indexing.REQUEST,
-                    (KVBuffer("comp_kv", (8, 2 * D), f32), KVBuffer("comp_score", (8, 2 * D), f32),
-                     KVBuffer("idx_kv", (8, 2 * c_i), f32), KVBuffer("idx_score", (8, 2 * c_i), f32))),
+                    (KVBuffer("comp_kv", (rows, 2 * D), f32), KVBuffer("comp_score", (rows, 2 * D), f32),
+                     KVBuffer("idx_kv", (rows, 2 * c_i), f32), KVBuffer("idx_score", (rows, 2 * c_i), f32))),
             KVGroup("c4_blocks", c4, Indexing.BLOCK, (KVBuffer("ckv", (D,), dtype), KVBuffer("idx_k", (c_i,), dtype)),
                     ratio=4),
         ]
     if c128:
+        rows = 128 + extra
         groups += [
             KVGroup("c128_state", c128, Indexing.REQUEST,
-                    (KVBuffer("comp_kv", (128, D), f32), KVBuffer("comp_score", (128, D), f32))),
+                    (KVBuffer("comp_kv", (rows, D), f32), KVBuffer("comp_score", (rows, D), f32))),
             KVGroup("c128_blocks", c128, Indexing.BLOCK, (KVBuffer("ckv", (D,), dtype),), ratio=128),
         ]
     return KVLayout(tuple(groups), prefix_cache_unsupported=PREFIX_CACHE_UNSUPPORTED)
+
+
+def mtp_kv_layout(cfg: V4Config, dtype: torch.dtype) -> KVLayout:
+    """The MTP layer's KV (layer id num_hidden_layers): one K=V entry per slot, read over the window."""
+    if cfg.mtp_compress_ratio:
+        raise ValueError(f"the MTP layer has compress ratio {cfg.mtp_compress_ratio}; kestrel drafts with "
+                         "sliding-window-only MTP layers (ratio 0, as in the released DeepSeek-V4 models)")
+    return KVLayout((KVGroup("mtp_window", (cfg.num_hidden_layers,), Indexing.TOKEN,
+                             (KVBuffer("win_kv", (cfg.head_dim,), dtype),)),))

@@ -27,7 +27,9 @@ from kestrel.models.deepseek_v4.mtp import MTPLayer
 class DeepseekV4ForCausalLM(nn.Module):
     """forward: input_ids [T], positions [T] -> final hidden [T, d] (hc_head, then norm);
     compute_logits: hidden [N, d] -> float32 logits [N, vocab]. `forward_streams` returns the
-    pre-hc_head streams [T, hc_mult, d] instead: the MTP layer's input (`draft_forward`)."""
+    pre-hc_head streams [T, hc_mult, d] instead: the MTP layer's input (`draft_forward`). A batch
+    that asks for `capture_hidden == (num_hidden_layers,)` (the input of the layer after the last: the
+    MTP layer's) gets those streams, flat [T, hc_mult * d], as its `captured_hidden`."""
 
     parse_config = staticmethod(parse_v4_config)
 
@@ -44,8 +46,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers))
 
-    def kv_layout(self, dtype: torch.dtype) -> KVLayout:
-        return v4_kv_layout(self.config, dtype)
+    def kv_layout(self, dtype: torch.dtype, speculative_tokens: int = 1) -> KVLayout:
+        """The main layers' KV; a NEXTN draft's pools hold the MTP layer's (`mtp_kv_layout`)."""
+        return v4_kv_layout(self.config, dtype, speculative_tokens)
 
     def load_checkpoint(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         load_v4_checkpoint(self, tensors, source)
@@ -63,7 +66,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.config))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.final_hidden(self.forward_streams(input_ids, positions, batch))
+        X = self.forward_streams(input_ids, positions, batch)
+        if batch.capture_hidden:
+            if batch.capture_hidden != (self.config.num_hidden_layers,):
+                raise ValueError(f"DeepSeek-V4 returns only the MTP layer's input streams (capture_hidden = "
+                                 f"({self.config.num_hidden_layers},)), not layers {batch.capture_hidden}")
+            batch.captured_hidden = X.flatten(1)
+        return self.final_hidden(X)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.head.weight).float()
@@ -73,8 +82,18 @@ class DeepseekV4ForCausalLM(nn.Module):
         """The MTP layer at positions t: target streams at t [T, hc_mult, d] (or flat [T, hc_mult * d])
         and the tokens at t + 1 -> (logits for t + 2 [T, vocab], the MTP's own pre-hc_head streams,
         which a further draft step takes as its `streams`)."""
+        X = self.mtp_streams(streams, next_ids, positions, batch)
+        return self.mtp_logits(X), X
+
+    def mtp_streams(self, streams: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                    batch: ForwardBatch) -> torch.Tensor:
+        """The MTP layer's pre-hc_head streams [T, hc_mult, d] (see `draft_forward`)."""
         if not len(self.mtp):
             raise ValueError("this DeepSeek-V4 checkpoint has no MTP layer (num_nextn_predict_layers = 0)")
         streams = streams.view(streams.shape[0], self.config.hc_mult, self.config.hidden_size)
-        hidden, X = self.mtp[0](streams, next_ids, self.embed(next_ids), positions, batch)
-        return self.compute_logits(hidden), X
+        return self.mtp[0](streams, next_ids, self.embed(next_ids), positions, batch)
+
+    def mtp_logits(self, X: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's streams [N, hc_mult, d] (or flat) -> its float32 logits [N, vocab]."""
+        X = X.view(X.shape[0], self.config.hc_mult, self.config.hidden_size)
+        return self.compute_logits(self.mtp[0].final_hidden(X))

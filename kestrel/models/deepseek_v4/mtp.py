@@ -29,9 +29,34 @@ class MTPLayer(V4Block):
         hc_site_params(self, "hc_head", cfg, head=True)
 
     def forward(self, streams: torch.Tensor, next_ids: torch.Tensor, next_embeds: torch.Tensor,
-                positions: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (final hidden [T, d], pre-hc_head streams [T, hc_mult, d])."""
+                positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """-> pre-hc_head streams [T, hc_mult, d]; `final_hidden` turns them into the lm head's input."""
         # Per stream: h_proj(hnorm(X_i)) + e_proj(enorm(E[x_{t+1}])), the e-term broadcast to all streams.
         X = self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(next_embeds)).unsqueeze(1)
-        X = super().forward(X, next_ids, positions, batch)
-        return self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg)), X
+        return super().forward(X, next_ids, positions, batch)
+
+    def final_hidden(self, X: torch.Tensor) -> torch.Tensor:
+        return self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg))
+
+
+class MTPDraft(nn.Module):
+    """A DeepSeek-V4 target's MTP layer as a NEXTN feature draft, in the shape a ModelRunner runs.
+
+    forward(input_ids, positions, batch): the tokens at t + 1 and, in `batch.spec_features`, streams at
+    t flat [T, hc_mult * d] (the target's pre-hc_head streams, or while drafting the MTP layer's own
+    output at t - 1, as VLLM feeds them back) -> the MTP layer's streams, flat: they are both the next
+    draft step's feature and what `compute_logits` reads. Weights are the target's (shared, not copied).
+    """
+
+    def __init__(self, target: nn.Module) -> None:
+        super().__init__()
+        self.target = target
+        self.config = target.config
+        self.feature_size = target.config.hc_mult * target.config.hidden_size
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        assert batch.spec_features is not None, "the MTP layer's forward needs the streams of its positions"
+        return self.target.mtp_streams(batch.spec_features, input_ids, positions, batch).flatten(1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target.mtp_logits(hidden)
