@@ -18,6 +18,10 @@ for variant in "$@"; do
     timeout 150 python3 -m kestrel.bench.serving --base-url http://127.0.0.1:30000 --num-prompts ${SERVING_PROMPTS:-320} \
       --max-concurrency 64 --random-input-len 1000 --random-output-len 500 --random-range-ratio 0.2 \
       --json "$OUT/tail_$label.json" 2>&1 | tail -11
+    # The server's own ITL histogram (tokens as the HTTP process receives them from the engine), to tell
+    # stalls in the engine from stalls on the way to the client.
+    python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:30000/metrics').read().decode())" \
+      | grep -E "inter_token_latency_seconds_(bucket|count)" > "$OUT/metrics_$label.txt"
     if [ -n "${SWEEP:-}" ]; then  # once, on the first variant's server: throughput and latency against concurrency
       timeout 200 python3 -m kestrel.bench.serving --base-url http://127.0.0.1:30000 --num-prompts 96 \
         --max-concurrency $SWEEP --random-input-len 1000 --random-output-len 200 --random-range-ratio 0.2 \
