@@ -1,7 +1,10 @@
-"""Train `demo-eagle`, an EAGLE head for the bundled `demo` model, by self-distillation on a CPU.
+"""Train an EAGLE head by self-distillation on a CPU: `demo-eagle` for the bundled `demo` model, or a
+head for a real chat model (`--target`, a GGUF file or Hugging Face folder; the head is not shipped).
 
     python scripts/train_eagle_head.py --bf16               # < 10 minutes on 2 cores, writes kestrel/assets/demo-eagle
     python scripts/train_eagle_head.py --time-budget 120 --out /tmp/eagle   # a quick run
+    python scripts/train_eagle_head.py --target SmolLM2-135M-Instruct.Q4_1.gguf --out ~/.cache/kestrel-smol-eagle \
+        --threads 1 --prompts 256 --gen-tokens 96 --time-budget 1200           # docs/demo-model.md
 
 The head (kestrel.models.llama_eagle.EagleHead: fc on [embedding, feature], one decoder layer without
 input norm, demo's own lm_head) learns to predict demo's next feature (its last hidden state after the
@@ -18,6 +21,13 @@ follows elapsed time), so the run ends in time on a shared machine. The head is 
 public EAGLE checkpoint names, reloaded through kestrel's loader, and evaluated on the held-out files:
 top-1 agreement of the head with demo (teacher-forced features: the first drafted token; the head's own
 feature: the second) and the mean accept length greedy chain drafting would get on held-out prompts.
+
+A chat target (any `--target` but demo) trains on its own answers instead: chat prompts
+(scripts/eagle_chat_data.py) answered by the target through kestrel's Engine on the CPU, half greedy,
+half sampled; the losses count the answer positions only (the prompt is context). Its evaluation runs
+kestrel's Engine, greedy, on held-out prompts, with and without the head (chain 3/1/4, tree 5/4/8): the
+accept lengths and whether the outputs are the plain greedy ones; then the head's top-1 agreement with
+the target on those greedy answers.
 """
 from __future__ import annotations
 
@@ -31,6 +41,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -39,9 +50,12 @@ from safetensors.torch import save_file
 
 REPO = Path(__file__).resolve().parents[1]
 # When each phase must end, as shares of --time-budget; evaluation (~40 s on 2 cores) follows training.
-ENDS = {"own continuations": 0.12, "features": 0.32, "training": 0.88}
+# The chat target's first phase is its answers (kestrel's engine); its evaluation, kestrel runs, follows.
+ENDS = {"demo": {"own continuations": 0.12, "features": 0.32, "training": 0.88},
+        "chat": {"own continuations": 0.42, "features": 0.55, "training": 0.97}}
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import eagle_chat_data as chat_data_module  # noqa: E402  (prompts, answers and measurement for a chat target)
 import train_demo_model as demo_training  # noqa: E402  (corpus, held-out files, tokenization)
 
 from kestrel.assets import resolve_model_path  # noqa: E402
@@ -101,34 +115,73 @@ class DraftChains:
         return out.transpose(1, 2).reshape(-1, layer.num_heads * layer.head_dim)
 
 
-def draft_passes(head, tokens: torch.Tensor, feats: torch.Tensor, num_passes: int):
-    """tokens [B, L] and demo's features [B, L, H] -> for each pass k = 1..num_passes, the head's
-    (features, logits) of shape [B, L - k, ...]. Entry t of pass k is at position t+k-1 and reads token
-    t+k with demo's feature t (k = 1) or pass k-1's entry t (k > 1): it drafts token t+k+1."""
+def draft_passes(head, tokens: torch.Tensor, feats: torch.Tensor, num_passes: int, logits: bool = True):
+    """tokens [B, L] and the target's features [B, L, H] -> for each pass k = 1..num_passes, the head's
+    (features, logits or None) of shape [B, L - k, ...]. Entry t of pass k is at position t+k-1 and reads
+    token t+k with the target's feature t (k = 1) or pass k-1's entry t (k > 1): it drafts token t+k+1."""
     b = tokens.shape[0]
     batch = SimpleNamespace(attn_backend=DraftChains(b))
     out, inputs = [], feats[:, :-1]
     for k in range(1, num_passes + 1):
         n = tokens.shape[1] - k
         positions = torch.arange(k - 1, k - 1 + n).repeat(b)
-        hidden, logits = head(tokens[:, k:].flatten(), positions, inputs[:, :n].flatten(0, 1), batch)
-        out.append((hidden.view(b, n, -1), logits.view(b, n, -1)))
+        hidden = head.hidden_states(tokens[:, k:].flatten(), positions, inputs[:, :n].flatten(0, 1), batch)
+        out.append((hidden.view(b, n, -1), head.compute_logits(hidden).view(b, n, -1) if logits else None))
         inputs = out[-1][0]
     return out
 
 
+def pass_mask(first: torch.Tensor, lengths: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    """[B, n]: which entries of pass k draft a token of an answer: entry t sits at position t+k-1, which
+    must be at or after the row's first draft root (`first`: the prompt's last position; 0 for corpus
+    windows), and its target, the feature at t+k, must be a real token of the row (t+k < `lengths`)."""
+    t = torch.arange(n)
+    return (t + k - 1 >= first[:, None]) & (t + k < lengths[:, None])
+
+
 # ---- data ------------------------------------------------------------------------------------------
+@dataclass
+class TrainingSet:
+    """Right-padded token rows [N, L], the target's features at every position [N, L, H] (float16, to
+    halve memory), each row's first draft root (`first`: the prompt's last position; 0 for corpus
+    windows, where every position is one) and its length."""
+
+    tokens: torch.Tensor
+    feats: torch.Tensor
+    first: torch.Tensor
+    lengths: torch.Tensor
+
+
 @torch.no_grad()
-def target_features(target, windows: torch.Tensor, batch_size: int, clock: Clock, share: float):
-    """demo's final-normed last hidden state at every position of each window, as float16 to halve memory;
-    stops when the phase's time share is spent (returns the windows it finished)."""
-    feats = []
-    for i in range(0, len(windows), batch_size):
+def target_features(target, rows: list[list[int]], first: list[int], batch_size: int, clock: Clock, share: float,
+                    pad: int = 0) -> TrainingSet | None:
+    """The target's final-normed last hidden state at every position of each row, rows taken shortest
+    first (so a batch pads little); stops when the phase's time share is spent (the set holds the rows
+    it finished; None if none)."""
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    done, feats = [], []
+    for i in range(0, len(order), batch_size):
         if clock.left_until(share) <= 0:
             break
-        feats.append(target.model(input_ids=windows[i:i + batch_size]).last_hidden_state.half())
-    done = sum(len(f) for f in feats)
-    return windows[:done], torch.cat(feats) if feats else None
+        chunk = order[i:i + batch_size]
+        width = max(len(rows[j]) for j in chunk)
+        ids = torch.tensor([rows[j] + [pad] * (width - len(rows[j])) for j in chunk])
+        mask = torch.tensor([[1] * len(rows[j]) + [0] * (width - len(rows[j])) for j in chunk])
+        feats.append(target.model(input_ids=ids, attention_mask=mask).last_hidden_state.half())
+        done += chunk
+    if not done:
+        return None
+    width = max(len(rows[j]) for j in done)
+    out = TrainingSet(torch.full((len(done), width), pad), torch.zeros(len(done), width, feats[0].shape[-1],
+                                                                        dtype=torch.float16),
+                      torch.tensor([first[j] for j in done]), torch.tensor([len(rows[j]) for j in done]))
+    row = 0
+    for f in feats:
+        for r in range(len(f)):
+            n = len(rows[done[row]])
+            out.tokens[row, :n], out.feats[row, :n] = torch.tensor(rows[done[row]]), f[r, :n]
+            row += 1
+    return out
 
 
 @torch.no_grad()
@@ -147,15 +200,17 @@ def own_continuations(target, stream: torch.Tensor, args, clock: Clock, share: f
 
 
 # ---- training --------------------------------------------------------------------------------------
-def losses(head, lm_head_weight, tokens, feats, noise: torch.Tensor, unroll: int, measure: bool):
-    """Mean (feature smooth-L1, soft cross-entropy) over the tokens drafted in `unroll` passes (each
-    entry learns demo's next feature and next-token distribution); with `measure`, pass 1's top-1
-    agreement too (an argmax over the vocabulary: only on logged steps)."""
+def losses(head, lm_head_weight, tokens, feats, first, lengths, noise: torch.Tensor, unroll: int, measure: bool):
+    """Mean (feature smooth-L1, soft cross-entropy) over the answer tokens (pass_mask) drafted in `unroll`
+    passes (each entry learns the target's next feature and next-token distribution); with `measure`,
+    pass 1's top-1 agreement too (an argmax over the vocabulary: only on logged steps)."""
     total_reg = total_ce = 0.0
     agree = None
-    passes = draft_passes(head, tokens, torch.cat([feats[:, :-1] + noise, feats[:, -1:]], 1), unroll)
-    for k, (pred, logits) in enumerate(passes, start=1):
-        next_feat = feats[:, k:]
+    passes = draft_passes(head, tokens, torch.cat([feats[:, :-1] + noise, feats[:, -1:]], 1), unroll, logits=False)
+    for k, (pred, _) in enumerate(passes, start=1):
+        mask = pass_mask(first, lengths, k, pred.shape[1])
+        pred, next_feat = pred[mask], feats[:, k:][mask]
+        logits = head.compute_logits(pred)
         with torch.no_grad():
             target_logp = F.log_softmax((next_feat @ lm_head_weight.T).float(), -1)
             if measure and k == 1:
@@ -192,20 +247,22 @@ def train(head, lm_head_weight, sets, args, clock: Clock, share: float) -> dict:
     threads = ThreadPicker(args.threads)
     begin, end = clock.elapsed(), clock.budget * share
     step, tokens_seen = 0, 0
-    weights = torch.tensor([w.numel() for w, _ in sets], dtype=torch.float)  # sample by tokens
+    weights = torch.tensor([float(s.lengths.sum()) for s in sets])  # sample by tokens
     while clock.elapsed() < end:
         threads.before(step)
         progress = (clock.elapsed() - begin) / max(1e-6, end - begin)
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1))))
         for group in opt.param_groups:
             group["lr"] = lr
-        windows, feats = sets[int(torch.multinomial(weights, 1, generator=gen))]
-        rows = torch.randint(0, len(windows), (args.batch_size,), generator=gen)
-        clean = feats[rows].float()
+        data = sets[int(torch.multinomial(weights, 1, generator=gen))]
+        rows = torch.randint(0, len(data.tokens), (args.batch_size,), generator=gen)
+        length = int(data.lengths[rows].max())  # rows are right-padded: cut the columns no row uses
+        clean = data.feats[rows, :length].float()
         noise = args.feature_noise * torch.randn(clean[:, :-1].shape, generator=gen)  # robustness to own features
         logged = (step + 1) % args.log_every == 0
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            reg, ce, agree = losses(head, lm_head_weight, windows[rows], clean, noise, args.unroll, logged)
+            reg, ce, agree = losses(head, lm_head_weight, data.tokens[rows, :length], clean, data.first[rows],
+                                    data.lengths[rows], noise, args.unroll, logged)
         loss = args.reg_weight * reg + ce
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -213,7 +270,7 @@ def train(head, lm_head_weight, sets, args, clock: Clock, share: float) -> dict:
         opt.step()
         threads.after(step)
         step += 1
-        tokens_seen += rows.numel() * (windows.shape[1] - 1)
+        tokens_seen += int((data.lengths[rows] - 1 - data.first[rows]).sum())
         if logged:
             log(f"  step {step} reg {reg.item():.4f} ce {ce.item():.3f} top-1 {agree:.3f} lr {lr:.2e} "
                 f"{tokens_seen / (clock.elapsed() - begin):,.0f} positions/s, {threads.best} thread(s), "
@@ -239,16 +296,17 @@ def public_tensors(head: EagleHead) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def agreement(head, lm_head_weight, windows, feats) -> dict:
-    """Top-1 agreement with demo's greedy next token on held-out windows, for the first and the second
-    drafted token of a chain (the second drafted on the head's own feature)."""
+def agreement(head, lm_head_weight, data: TrainingSet) -> dict:
+    """Top-1 agreement with the target's greedy next token on held-out rows (their answers: pass_mask),
+    for the first and the second drafted token of a chain (the second drafted on the head's own feature)."""
     hits, counts = [0, 0], [0, 0]
-    for i in range(0, len(windows), 16):
-        f = feats[i:i + 16].float()
-        target_next = (f @ lm_head_weight.T).argmax(-1)  # demo's greedy token after each position
-        for k, (_, logits) in enumerate(draft_passes(head, windows[i:i + 16], f, 2), start=1):
-            hits[k - 1] += (logits.argmax(-1) == target_next[:, k:]).sum().item()
-            counts[k - 1] += logits.shape[0] * logits.shape[1]
+    for i in range(0, len(data.tokens), 16):
+        f = data.feats[i:i + 16].float()
+        target_next = (f @ lm_head_weight.T).argmax(-1)  # the target's greedy token after each position
+        for k, (_, logits) in enumerate(draft_passes(head, data.tokens[i:i + 16], f, 2), start=1):
+            mask = pass_mask(data.first[i:i + 16], data.lengths[i:i + 16], k, logits.shape[1])
+            hits[k - 1] += (logits.argmax(-1) == target_next[:, k:])[mask].sum().item()
+            counts[k - 1] += mask.sum().item()
     return {"draft_step_1_top1": round(hits[0] / counts[0], 4), "draft_step_2_top1": round(hits[1] / counts[1], 4),
             "positions": counts[0]}
 
@@ -288,50 +346,26 @@ def head_config(target_config: dict) -> dict:
             **{k: target_config[k] for k in keep if k in target_config}}
 
 
-# ---- main ------------------------------------------------------------------------------------------
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=REPO / "kestrel" / "assets" / "demo-eagle")
-    p.add_argument("--time-budget", type=float, default=520.0,
-                   help="seconds for the phases up to the end of training, which leaves evaluation (~40-80 s) "
-                        "inside 10 minutes")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--window", type=int, default=256, help="tokens per corpus window")
-    p.add_argument("--corpus-windows", type=int, default=4000, help="at most this many corpus windows")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--gen-tokens", type=int, default=96)
-    p.add_argument("--gen-batch", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=8, help="windows per training step")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--unroll", type=int, default=1,
-                   help="draft passes trained per step (2: also the second drafted token, on the head's own feature; "
-                        "at this budget 1 scored better: twice the positions)")
-    p.add_argument("--reg-weight", type=float, default=1.0, help="weight of the feature loss (EAGLE: 1)")
-    p.add_argument("--feature-noise", type=float, default=0.05, help="std of noise added to input features")
-    p.add_argument("--bf16", action="store_true",
-                   help="train under bf16 autocast (~1.5x faster on CPUs with AMX / AVX512-BF16)")
-    p.add_argument("--log-every", type=int, default=25)
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    command = "python " + shlex.join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)])
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    clock = Clock(args.time_budget)
+# ---- targets ---------------------------------------------------------------------------------------
+def load_target(name: str):
+    """`demo` (the bundled model), a GGUF file, a folder holding one, or a Hugging Face folder ->
+    (its path as kestrel takes it, the transformers model in float32, frozen; its tokenizer; its config)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    demo = Path(resolve_model_path("demo"))
-    target = AutoModelForCausalLM.from_pretrained(demo, dtype=torch.float32).eval().requires_grad_(False)
-    tok = AutoTokenizer.from_pretrained(demo)
-    lm_head_weight = target.lm_head.weight.detach()
-    log(f"command: {command}\nPython {platform.python_version()}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, budget {args.time_budget:.0f}s")
+    from kestrel.config import read_hf_config
+    from kestrel.models.gguf import gguf_file
 
-    # Corpus: a random subset of the training files (never the held-out ones), tokenized as demo was trained.
+    path = resolve_model_path(name)
+    gguf = gguf_file(path)
+    where = dict(pretrained_model_name_or_path=str(gguf.parent), gguf_file=gguf.name) if gguf else \
+        dict(pretrained_model_name_or_path=str(path))
+    target = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval().requires_grad_(False)
+    return str(path), target, AutoTokenizer.from_pretrained(**where), read_hf_config(str(path))
+
+
+def demo_data(target, tok, args, clock: Clock, ends: dict, gen: torch.Generator):
+    """demo's training sets (its own continuations of corpus prompts; corpus windows) and its held-out
+    windows, and what they hold."""
     files, _ = demo_training.collect_corpus(Path(sysconfig.get_paths()["stdlib"]))
     held_out = {f: files.pop(f) for f in demo_training.HELD_OUT}
     names = sorted(files)
@@ -344,29 +378,133 @@ def main(argv=None) -> None:
         if chars >= needed:
             break
     stream = torch.tensor([t for d in demo_training.encode_docs(tok, chosen) for t in d])
-    gen = torch.Generator().manual_seed(args.seed)
     starts = torch.randperm(len(stream) - args.window - 1, generator=gen)[:args.corpus_windows]
     corpus_windows = stream[starts[:, None] + torch.arange(args.window + 1)]
     log(f"corpus: {len(chosen)} of {len(files)} training files, {len(stream):,} tokens ({clock.elapsed():.0f}s)")
 
-    own = own_continuations(target, stream, args, clock, ENDS["own continuations"], gen)
+    own = own_continuations(target, stream, args, clock, ends["own continuations"], gen)
     log(f"demo's own continuations: {len(own)} x {own.shape[1]} tokens ({clock.elapsed():.0f}s)")
     sets = []
     for label, windows in (("own continuations", own), ("corpus windows", corpus_windows)):
-        windows, feats = target_features(target, windows, 16, clock, ENDS["features"])
-        if feats is not None:
-            sets.append((windows, feats))
-        log(f"features: {len(windows)} {label} ({windows.numel():,} tokens) ({clock.elapsed():.0f}s)")
+        data = target_features(target, windows.tolist(), [0] * len(windows), 16, clock, ends["features"])
+        if data is not None:
+            sets.append(data)
+        log(f"features: {0 if data is None else len(data.tokens)} {label} ({clock.elapsed():.0f}s)")
+    if not sets:
+        raise SystemExit("no features computed within the time budget: raise --time-budget")
 
-    config = head_config(json.loads((demo / "config.json").read_text()))
+    docs = demo_training.encode_docs(tok, list(held_out.values()))
+    held = torch.tensor([t for d in docs for t in d])
+    n_windows = min(96, len(held) // (args.window + 1))
+    held_windows = held[:n_windows * (args.window + 1)].view(n_windows, args.window + 1)
+    prompt_starts = torch.linspace(0, len(held) - 64, 16).long()
+    info = {"own_continuation_windows": len(own), "corpus_windows": len(corpus_windows),
+            "held_out_files": list(demo_training.HELD_OUT)}
+    return sets, (held_windows, held[prompt_starts[:, None] + torch.arange(48)]), info
+
+
+def chat_data(target_path: str, target, tok, args, clock: Clock, ends: dict):
+    """The target's own answers to chat prompts (scripts/eagle_chat_data.py) as one training set, the
+    held-out prompts, and what they hold."""
+    train_prompts, held_prompts = chat_data_module.chat_prompts(args.prompts, args.held_out_prompts, args.seed)
+    rows = chat_data_module.chat_ids(tok, train_prompts)
+    answered = chat_data_module.engine_answers(target_path, rows, args.gen_tokens, args.gen_batch,
+                                               clock.start + clock.budget * ends["own continuations"], args.seed)
+    answer_tokens = sum(len(a) - len(p) for a, p in zip(answered, rows))
+    log(f"{len(answered)} of {len(rows)} prompts answered by the target, {answer_tokens:,} answer tokens "
+        f"({clock.elapsed():.0f}s)")
+    first = [len(p) - 1 for p in rows[:len(answered)]]
+    data = target_features(target, answered, first, 16, clock, ends["features"], pad=tok.pad_token_id or 0)
+    if data is None:
+        raise SystemExit("no features computed within the time budget: raise --time-budget")
+    log(f"features: {len(data.tokens)} answers ({clock.elapsed():.0f}s)")
+    info = {"prompt_source": "stdlib docstring summaries in coding requests + written TASKS x TOPICS "
+                             "(scripts/eagle_chat_data.py)",
+            "answers": len(data.tokens), "answer_tokens": int((data.lengths - 1 - data.first).sum()),
+            "held_out_prompts": held_prompts}
+    return [data], chat_data_module.chat_ids(tok, held_prompts), info
+
+
+@torch.no_grad()
+def evaluate_chat(shipped, target_path: str, target, lm_head_weight, held_rows, out_dir: Path, args) -> dict:
+    """kestrel's engine, greedy, on the held-out prompts: without speculation and with the head (accept
+    lengths, outputs equal?); then the head's top-1 agreement on those greedy answers."""
+    measured, plain = chat_data_module.measure_speculation(target_path, out_dir, held_rows, args.measure_tokens)
+    rows = [p + a for p, a in zip(held_rows, plain)]
+    data = target_features(target, rows, [len(p) - 1 for p in held_rows], 16, Clock(1e9), 1.0)
+    return {**agreement(shipped, lm_head_weight, data), "kestrel_greedy": measured}
+
+
+# ---- main ------------------------------------------------------------------------------------------
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", default="demo",
+                   help="demo, or a chat model: a GGUF file, a folder holding one, or a Hugging Face folder")
+    p.add_argument("--out", type=Path, default=None, help="where the head goes (demo: kestrel/assets/demo-eagle)")
+    p.add_argument("--time-budget", type=float, default=520.0,
+                   help="seconds for the phases up to the end of training, which leaves evaluation (~40-80 s) "
+                        "inside 10 minutes")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--window", type=int, default=256, help="demo: tokens per corpus window")
+    p.add_argument("--corpus-windows", type=int, default=4000, help="demo: at most this many corpus windows")
+    p.add_argument("--prompt-len", type=int, default=32, help="demo: tokens per corpus prompt")
+    p.add_argument("--prompts", type=int, default=384, help="chat target: training prompts")
+    p.add_argument("--held-out-prompts", type=int, default=20, help="chat target: held-out prompts")
+    p.add_argument("--measure-tokens", type=int, default=64, help="chat target: new tokens per held-out answer")
+    p.add_argument("--gen-tokens", type=int, default=None,
+                   help="new tokens per continuation (demo, default 96) or answer (chat target, default 128)")
+    p.add_argument("--gen-batch", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=8, help="windows per training step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--unroll", type=int, default=1,
+                   help="draft passes trained per step (2: also the second drafted token, on the head's own feature; "
+                        "at this budget 1 scored better: twice the positions)")
+    p.add_argument("--reg-weight", type=float, default=1.0, help="weight of the feature loss (EAGLE: 1)")
+    p.add_argument("--feature-noise", type=float, default=0.05, help="std of noise added to input features")
+    p.add_argument("--bf16", action="store_true",
+                   help="train under bf16 autocast (~1.5x faster on CPUs with AMX / AVX512-BF16)")
+    p.add_argument("--log-every", type=int, default=25)
+    args = p.parse_args(argv)
+    demo = args.target == "demo"
+    if args.out is None:
+        if not demo:
+            p.error("--out is required for a target other than demo (and must not be inside the package)")
+        args.out = REPO / "kestrel" / "assets" / "demo-eagle"
+    if args.gen_tokens is None:
+        args.gen_tokens = 96 if demo else 128
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    command = "python " + shlex.join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)])
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    clock = Clock(args.time_budget)
+    demo = args.target == "demo"
+    ends = ENDS["demo" if demo else "chat"]
+    target_path, target, tok, target_config = load_target(args.target)
+    lm_head_weight = target.lm_head.weight.detach()
+    log(f"command: {command}\nPython {platform.python_version()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, budget {args.time_budget:.0f}s, target {target_path}")
+
+    gen = torch.Generator().manual_seed(args.seed)
+    if demo:
+        sets, held, data_info = demo_data(target, tok, args, clock, ends, gen)
+    else:
+        sets, held, data_info = chat_data(target_path, target, tok, args, clock, ends)
+
+    config = head_config(target_config)
     # Under autocast the lm_head would be cast to bf16 at every matmul: cast it once.
     train_lm_head = lm_head_weight.to(torch.bfloat16) if args.bf16 else lm_head_weight
     train_parts = TargetParts(target.model.embed_tokens, lambda h: F.linear(h, train_lm_head))
     head = EagleHead(parse_arch_config(config), train_parts, fc_bias=True,
                      max_positions=config["max_position_embeddings"])
     log(f"head: {sum(p.numel() for p in head.parameters()):,} parameters; training until "
-        f"{args.time_budget * ENDS['training']:.0f}s")
-    trained = train(head, train_lm_head, sets, args, clock, ENDS["training"])
+        f"{args.time_budget * ends['training']:.0f}s")
+    trained = train(head, train_lm_head, sets, args, clock, ends["training"])
     parts = TargetParts(target.model.embed_tokens, lambda h: F.linear(h, lm_head_weight).float())
     log(f"trained: {trained}")
 
@@ -376,23 +514,21 @@ def main(argv=None) -> None:
     shipped = load_eagle_head(args.out, "EAGLE", parts, num_target_layers=target.config.num_hidden_layers,
                               max_positions=config["max_position_embeddings"], dtype=torch.float32, device="cpu")
 
-    docs = demo_training.encode_docs(tok, list(held_out.values()))
-    held = torch.tensor([t for d in docs for t in d])
-    n_windows = min(96, len(held) // (args.window + 1))
-    held_windows = held[:n_windows * (args.window + 1)].view(n_windows, args.window + 1)
-    _, held_feats = target_features(target, held_windows, 16, clock, 10.0)
-    results = agreement(shipped, lm_head_weight, held_windows, held_feats)
-    log(f"held-out top-1 agreement with demo: {results} ({clock.elapsed():.0f}s)")
-    prompt_starts = torch.linspace(0, len(held) - 64, 16).long()
-    results.update(chain_accept_length(shipped, target, held[prompt_starts[:, None] + torch.arange(48)],
-                                       new_tokens=96, steps=(1, 3, 5)))
-    log(f"greedy chain accept length on held-out prompts: {results} ({clock.elapsed():.0f}s)")
+    if demo:
+        held_windows, prompts = held
+        held_data = target_features(target, held_windows.tolist(), [0] * len(held_windows), 16, clock, 10.0)
+        results = agreement(shipped, lm_head_weight, held_data)
+        log(f"held-out top-1 agreement with demo: {results} ({clock.elapsed():.0f}s)")
+        results.update(chain_accept_length(shipped, target, prompts, new_tokens=96, steps=(1, 3, 5)))
+        log(f"greedy chain accept length on held-out prompts: {results} ({clock.elapsed():.0f}s)")
+    else:
+        results = evaluate_chat(shipped, target_path, target, lm_head_weight, held, args.out, args)
+        log(f"held-out evaluation: {json.dumps(results)} ({clock.elapsed():.0f}s)")
 
     info = {"command": command, "python": platform.python_version(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "target": "demo", "training": trained,
-            "own_continuation_windows": len(own), "corpus_windows": len(corpus_windows),
-            "held_out_files": list(demo_training.HELD_OUT), "evaluation": results,
-            "wall_seconds": round(clock.elapsed(), 1), "args": {k: str(v) for k, v in vars(args).items()}}
+            "threads": torch.get_num_threads(), "target": args.target, "training": trained, **data_info,
+            "evaluation": results, "wall_seconds": round(clock.elapsed(), 1),
+            "args": {k: str(v) for k, v in vars(args).items()}}
     (args.out / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
     log(f"saved {args.out} in {clock.elapsed():.0f}s")
 
