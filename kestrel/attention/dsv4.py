@@ -30,6 +30,7 @@ import torch
 
 from kestrel.attention.dsv4_plan import NewBlocks, StepPlan, V4Span
 from kestrel.attention.hybrid import HybridBackend
+from kestrel.cache.kv_layout import Indexing
 
 if TYPE_CHECKING:
     from kestrel.cache.kv_memory import KVPools
@@ -58,6 +59,7 @@ class DSV4Backend:
         self.pools = pools
         self.req_to_token = req_to_token
         self.plan: StepPlan | None = None
+        self._block_ratios = tuple(sorted({g.ratio for g in pools.layout.groups if g.indexing is Indexing.BLOCK}))
 
     @property
     def spans(self) -> list[V4Span]:
@@ -71,7 +73,7 @@ class DSV4Backend:
         for e in batch.extend_lens_cpu[:-1]:
             starts.append(starts[-1] + e)
         spans = [V4Span(r, p, e, s) for r, p, e, s in zip(rows, batch.prefix_lens_cpu, batch.extend_lens_cpu, starts)]
-        self.plan = StepPlan(spans, self.req_to_token.table)
+        self.plan = StepPlan(spans, self.req_to_token.table, self._block_ratios, self.req_to_token.padding_row)
         self._out_slots = batch.out_cache_loc
         if batch.tree_mask is not None:
             chain = torch.cat([torch.ones(e, e, dtype=torch.bool, device=batch.tree_mask.device).tril().flatten()
@@ -86,19 +88,17 @@ class DSV4Backend:
         plan = self.plan
         layer = self.pools.layer(layer_id)
         per_slot = getattr(layer, "win_kv", None)
-        old_pos = plan.old_positions(window_size - 1).clamp(min=0)
         if per_slot is not None:
-            old = per_slot[self.req_to_token.table[plan.rows[:, None], old_pos]]
+            old = per_slot[plan.old_rows(window_size - 1, None)]
         else:
             ring = layer.swa_kv
-            old = ring[plan.rows[:, None], old_pos % ring.shape[1]]
+            old = ring[plan.rows[:, None], plan.old_rows(window_size - 1, ring.shape[1])]
         index, valid = plan.window(window_size)
         keys = WindowKeys(torch.cat([old.flatten(0, 1).to(kv.dtype), kv]), index, valid)
         if per_slot is not None:
             per_slot[self._out_slots] = kv.to(per_slot.dtype)
         else:
-            rows, slots, tokens = plan.ring_writes(ring.shape[1])
-            ring[rows, slots] = kv[tokens].to(ring.dtype)
+            ring[plan.ring_writes(ring.shape[1])] = kv.to(ring.dtype)
         return keys
 
     # ---- compressor state ----------------------------------------------------------------------------
@@ -112,12 +112,11 @@ class DSV4Backend:
         blocks = plan.new_blocks(ratio, overlap)
         sources = None
         if blocks.count:
-            old_pos = plan.old_positions(ratio * (1 + int(overlap)) - 1).clamp(min=0)
-            sources = [torch.cat([ring[plan.rows[:, None], old_pos % ring.shape[1]].flatten(0, 1).to(new.dtype), new])
+            old = plan.old_rows(ratio * (1 + int(overlap)) - 1, rings[0].shape[1])
+            sources = [torch.cat([ring[plan.rows[:, None], old].flatten(0, 1).to(new.dtype), new])
                        for ring, new in zip(rings, (kv, score))]
-        rows, slots, tokens = plan.ring_writes(rings[0].shape[1])
         for ring, new in zip(rings, (kv, score)):
-            ring[rows, slots] = new[tokens].to(ring.dtype)
+            ring[plan.ring_writes(ring.shape[1])] = new.to(ring.dtype)
         return None if sources is None else (blocks, *sources)
 
     # ---- compressed entries --------------------------------------------------------------------------

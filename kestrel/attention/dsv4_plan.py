@@ -45,15 +45,32 @@ class NewBlocks:
 
 
 class StepPlan:
-    def __init__(self, spans: list[V4Span], table: torch.Tensor) -> None:
+    """`block_ratios`: the layout's BLOCK ratios, whose completed blocks are listed up front, so that the
+    step's host lengths reach the device in one copy. `padding_row`: a REQUEST row no request holds,
+    where ring writes that no later step reads go (scatters then need no host-sized index)."""
+
+    def __init__(self, spans: list[V4Span], table: torch.Tensor, block_ratios: tuple[int, ...],
+                 padding_row: int) -> None:
         self.spans = spans
         self.table = table
+        self.padding_row = padding_row
         dev = table.device
         self.device = dev
         self.num_tokens = sum(s.extend for s in spans)
-        host = torch.tensor([[s.row, s.prefix, s.extend, s.start] for s in spans], dtype=torch.int64).reshape(-1, 4)
-        rows, prefix, extend, start = host.to(dev).unbind(1)
+        host = [v for s in spans for v in (s.row, s.prefix, s.extend, s.start)]
+        counts = [4 * len(spans)]
+        for ratio in block_ratios:
+            pairs = [v for b, s in enumerate(spans) for i in range(s.prefix // ratio, s.seq // ratio) for v in (b, i)]
+            host += pairs
+            counts.append(len(pairs))
+        host = torch.tensor(host, dtype=torch.int64)
+        if dev.type == "cuda":  # pinned: the copy does not wait for the work already queued
+            host = host.pin_memory()
+        parts = host.to(dev, non_blocking=True).split(counts)
+        rows, prefix, extend, start = parts[0].view(-1, 4).unbind(1)
         self.rows, self.prefix, self.start = rows, prefix, start
+        self.seq = prefix + extend
+        self._pairs = {ratio: p.view(-1, 2) for ratio, p in zip(block_ratios, parts[1:])}
         self.tok_req = torch.repeat_interleave(torch.arange(len(spans), device=dev), extend,
                                                output_size=self.num_tokens)
         self.tok_pos = prefix[self.tok_req] + torch.arange(self.num_tokens, device=dev) - start[self.tok_req]
@@ -65,10 +82,14 @@ class StepPlan:
         return self._cache[key]
 
     # ---- row sources ---------------------------------------------------------------------------------
-    def old_positions(self, length: int) -> torch.Tensor:
-        """[B, length]: the positions prefix - length .. prefix - 1 of each request (negative: none)."""
-        return self._cached(("old", length), lambda: self.prefix[:, None] - length
-                            + torch.arange(length, device=self.device)[None, :])
+    def old_rows(self, length: int, ring: int | None) -> torch.Tensor:
+        """[B, length]: where the positions prefix - length .. prefix - 1 of each request are stored: at
+        pos mod `ring` of its REQUEST row, or (ring None) at its TOKEN slot. Positions below 0 read
+        position 0's place (never used)."""
+        def build():
+            pos = (self.prefix[:, None] - length + torch.arange(length, device=self.device)[None, :]).clamp(min=0)
+            return self.table[self.rows[:, None], pos] if ring is None else pos % ring
+        return self._cached(("old", length, ring), build)
 
     def source_index(self, req: torch.Tensor, pos: torch.Tensor, length: int) -> torch.Tensor:
         """Index into [old rows (B x length) ; new rows (T)] of request `req`'s position `pos` (same
@@ -87,12 +108,13 @@ class StepPlan:
             return index.masked_fill(~valid, 0), valid
         return self._cached(("window", size), build)
 
-    def ring_writes(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(rows, ring slots, tokens): each request's newest min(extend, size) tokens, at position mod size."""
+    def ring_writes(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, ring slots) [T]: each request's newest min(extend, size) tokens at position mod size
+        of its row; its older tokens of the step (overwritten within the step) at the padding row."""
         def build():
-            tokens = [s.start + e for s in self.spans for e in range(max(0, s.extend - size), s.extend)]
-            tokens = torch.tensor(tokens, dtype=torch.int64).to(self.device)
-            return self.rows[self.tok_req[tokens]], self.tok_pos[tokens] % size, tokens
+            keep = self.tok_pos >= self.seq[self.tok_req] - size
+            rows = torch.where(keep, self.rows[self.tok_req], self.padding_row)
+            return rows, self.tok_pos % size
         return self._cached(("ring", size), build)
 
     # ---- compressed blocks ---------------------------------------------------------------------------
@@ -101,8 +123,7 @@ class StepPlan:
         `ratio * (1 + overlap) - 1` old rows per request (enough for the block holding `prefix` and,
         with overlap, the one before it)."""
         def build():
-            pairs = [(b, i) for b, s in enumerate(self.spans) for i in range(s.prefix // ratio, s.seq // ratio)]
-            req, index = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2).to(self.device).unbind(1)
+            req, index = self._pairs[ratio].unbind(1)
             length = ratio * (1 + int(overlap)) - 1
             offsets = torch.arange(ratio, device=self.device)[None, :]
             own_pos = index[:, None] * ratio + offsets
