@@ -92,9 +92,10 @@ class LayerContext:
 
 def v4_layer_ms(attn: torch.nn.Module, ctx: LayerContext, batch: int, prefix: int, extend: int,
                 iters: int) -> list[float]:
-    """`V4Attention.forward` for one step. The backend's per-step metadata (host lengths) is set before
-    each call, untimed: the engine sets it once per step for all layers; the block-slot gather it
-    caches per step is timed (the first layer of each ratio pays it in a real step)."""
+    """`V4Attention.forward` for one step. The backend's per-step metadata (host lengths, copied to the
+    device) is set before each call, untimed: the engine sets it once per step for all layers; the
+    parts of its index plan that a layer builds on first use are timed (in a real step the first layer
+    of each kind pays them and the others reuse them)."""
     fb = ctx.step(batch, prefix, extend)
     gen = torch.Generator(ctx.device).manual_seed(0)
     x = torch.randn(batch * extend, attn.wq_a.in_features, generator=gen, device=ctx.device,
