@@ -134,9 +134,12 @@ class DSV4Backend:
         """Token ranges (a, b) over requests r0..r1-1 whose per-token working set fits `TILE_BYTES`."""
         return self.plan.tiles(bytes_per_token, TILE_BYTES)
 
-    def tokens_request(self) -> torch.Tensor:
-        """[T]: each token's request (its index in the batch)."""
-        return self.plan.tok_req
+    def per_token(self, per_request: torch.Tensor, a: int, b: int, r0: int, r1: int) -> torch.Tensor:
+        """Rows of `per_request` [B, ...] for the tile's tokens a..b-1 (of requests r0..r1-1): a view when
+        each of those requests has one token, else a gather."""
+        if self.plan.one_token_each(r0, r1):
+            return per_request[r0:r1]
+        return per_request[self.plan.tok_req[a:b]]
 
     # ---- attention -----------------------------------------------------------------------------------
     def attend(self, layer_id: int, q: torch.Tensor, window: WindowKeys, sink: torch.Tensor, scale: float,
@@ -170,7 +173,7 @@ class DSV4Backend:
                     extra = shared[r0].to(q.dtype)
                     logits.append((qt.flatten(0, 1) @ extra.T).float().view(b - a, H, n))
                 else:
-                    extra = shared[self.plan.tok_req[a:b]].to(q.dtype)
+                    extra = self.per_token(shared, a, b, r0, r1).to(q.dtype)
                     logits.append(torch.bmm(qt, extra.transpose(1, 2)).float())
                 mask.append(torch.arange(n, device=q.device)[None, :] < visible[a:b, None])
             elif selected is not None:

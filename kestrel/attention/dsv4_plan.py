@@ -155,6 +155,11 @@ class StepPlan:
         limit = max(1, budget // max(1, bytes_per_token))
         return self._cached(("tiles", limit), lambda: self._pack(limit))
 
+    def one_token_each(self, r0: int, r1: int) -> bool:
+        """Whether requests r0..r1-1 each have exactly one token in this step (a tile of decodes, whose
+        per-request tensors then line up with its tokens without a gather)."""
+        return all(s.extend == 1 for s in self.spans[r0:r1])
+
     def _pack(self, limit: int) -> list[tuple[int, int, int, int]]:
         tiles: list[tuple[int, int, int, int]] = []
         open_tile: list[int] | None = None  # [a, b, r0, r1] of the tile still taking whole requests

@@ -48,7 +48,7 @@ class Indexer(nn.Module):
             if r1 - r0 == 1:  # one request: its keys once, not per query
                 scores = (q[a:b].flatten(0, 1) @ keys[r0].T).view(b - a, self.heads, n)
             else:
-                scores = torch.bmm(q[a:b], keys[backend.tokens_request()[a:b]].transpose(1, 2))
+                scores = torch.bmm(q[a:b], backend.per_token(keys, a, b, r0, r1).transpose(1, 2))
             # sum_h w_h ReLU(q_h . k): the ReLU sits between the two products, so [t, heads, n] is needed.
             scores = torch.bmm(weights[a:b], scores.relu_()).squeeze(1).float()  # [t, n]
             seen = visible[a:b, None]
