@@ -44,6 +44,32 @@ __all__ = ["DSV4Backend", "V4Span", "WindowKeys", "dsv4_backend"]
 TILE_BYTES = 512 * 2**20
 
 
+_FP32_OUT: dict[str, bool] = {}
+
+
+def _fp32_out(device: torch.device) -> bool:
+    """Whether this device's matmuls take out_dtype=float32 for half inputs (CUDA builds of recent torch)."""
+    if device.type not in _FP32_OUT:
+        try:  # the layouts `attend` passes: a transposed second operand, 2-D and batched
+            x = torch.ones(2, 3, 4, dtype=torch.bfloat16, device=device)
+            outs = (torch.bmm(x, x.transpose(1, 2), out_dtype=torch.float32),
+                    torch.mm(x[0], x[0].T, out_dtype=torch.float32))
+            _FP32_OUT[device.type] = all(o.dtype == torch.float32 and bool((o == 4).all()) for o in outs)
+        except (RuntimeError, NotImplementedError, TypeError):
+            _FP32_OUT[device.type] = False
+    return _FP32_OUT[device.type]
+
+
+def logits_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (2-D or batched 3-D) in a's dtype with the result in float32: unrounded where the device
+    supports it (as a flash kernel keeps its logits), else rounded to a's dtype first."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if _fp32_out(a.device):
+        return (torch.mm if a.dim() == 2 else torch.bmm)(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
+
 @dataclass(frozen=True)
 class WindowKeys:
     """Every query's window keys as a gather: `source[index]` [T, W, D], `valid` [T, W]."""
@@ -147,7 +173,7 @@ class DSV4Backend:
         """q [T, H, D] -> [T, H, D]: per query, one softmax over its window keys and its compressed
         entries (ratio 4: the blocks `selected` [T, k] names, -1 = none; ratio 128: every visible
         block); the sink a_h is an extra logit with a zero value, so it only enlarges the denominator.
-        Logits and both products run in q's dtype (fp32 accumulation); the softmax in fp32."""
+        Both products run in q's dtype (fp32 accumulation, fp32 logits: `logits_f32`); the softmax in fp32."""
         T, H, D = q.shape
         sink = sink.float()[None, :]
         width = window.index.shape[1]
@@ -166,20 +192,20 @@ class DSV4Backend:
         for a, b, r0, r1 in self.query_tiles(keys_bytes + 3 * H * (width + n) * 4):
             qt = q[a:b]
             keys = window.source[window.index[a:b]].to(q.dtype)  # [t, W, D]
-            logits, mask = [torch.bmm(qt, keys.transpose(1, 2)).float()], [window.valid[a:b]]
+            logits, mask = [logits_f32(qt, keys.transpose(1, 2))], [window.valid[a:b]]
             extra = None
             if shared is not None:
                 if r1 - r0 == 1:  # one request: its blocks once, not per query
                     extra = shared[r0].to(q.dtype)
-                    logits.append((qt.flatten(0, 1) @ extra.T).float().view(b - a, H, n))
+                    logits.append(logits_f32(qt.flatten(0, 1), extra.T).view(b - a, H, n))
                 else:
                     extra = self.per_token(shared, a, b, r0, r1).to(q.dtype)
-                    logits.append(torch.bmm(qt, extra.transpose(1, 2)).float())
+                    logits.append(logits_f32(qt, extra.transpose(1, 2)))
                 mask.append(torch.arange(n, device=q.device)[None, :] < visible[a:b, None])
             elif selected is not None:
                 chosen = selected[a:b]
                 extra = buf[slots[self.plan.tok_req[a:b, None], chosen.clamp(min=0)]].to(q.dtype)  # [t, k, D]
-                logits.append(torch.bmm(qt, extra.transpose(1, 2)).float())
+                logits.append(logits_f32(qt, extra.transpose(1, 2)))
                 mask.append(chosen >= 0)
             logits = torch.cat(logits, -1) * scale
             logits = logits.masked_fill(~torch.cat(mask, -1)[:, None, :], float("-inf"))
