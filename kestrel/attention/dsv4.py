@@ -85,7 +85,7 @@ class DSV4Backend:
         self.pools = pools
         self.req_to_token = req_to_token
         self.plan: StepPlan | None = None
-        self._block_ratios = tuple(sorted({g.ratio for g in pools.layout.groups if g.indexing is Indexing.BLOCK}))
+        self._block_ratios: tuple[int, ...] | None = None  # the layout's, read on the first step
 
     @property
     def spans(self) -> list[V4Span]:
@@ -99,6 +99,9 @@ class DSV4Backend:
         for e in batch.extend_lens_cpu[:-1]:
             starts.append(starts[-1] + e)
         spans = [V4Span(r, p, e, s) for r, p, e, s in zip(rows, batch.prefix_lens_cpu, batch.extend_lens_cpu, starts)]
+        if self._block_ratios is None:
+            self._block_ratios = tuple(sorted({g.ratio for g in self.pools.layout.groups
+                                               if g.indexing is Indexing.BLOCK}))
         self.plan = StepPlan(spans, self.req_to_token.table, self._block_ratios, self.req_to_token.padding_row)
         self._out_slots = batch.out_cache_loc
         if batch.tree_mask is not None:
