@@ -180,22 +180,31 @@ class DSV4Backend:
         T, H, D = q.shape
         sink = sink.float()[None, :]
         width = window.index.shape[1]
-        shared = slots = visible = None
+        shared = slots = None
         n = 0
         if ratio:
             buf = self.pools.layer(layer_id).ckv
-            slots, visible = self.plan.blocks(ratio)
+            slots, _ = self.plan.blocks(ratio)
             if selected is None:
                 shared = buf[slots]  # [B, N, D]: a request's queries share its visible blocks
                 n = shared.shape[1]
             else:
                 n = selected.shape[1]
+        # Which keys each query may see: the window's valid positions, then the visible blocks (ratio
+        # 128: the same for every layer of the step) or the indexer's picks.
+        if shared is not None:
+            seen = self.plan.key_mask(window.valid, ratio)
+        elif selected is not None:
+            seen = torch.cat([window.valid, selected >= 0], dim=1)
+        else:
+            seen = window.valid
         keys_bytes = (width + n) * D * q.element_size()
-        out = torch.empty_like(q)
-        for a, b, r0, r1 in self.query_tiles(keys_bytes + 3 * H * (width + n) * 4):
+        tiles = self.query_tiles(keys_bytes + 3 * H * (width + n) * 4)
+        out = torch.empty_like(q) if len(tiles) > 1 else None
+        for a, b, r0, r1 in tiles:
             qt = q[a:b]
             keys = window.source[window.index[a:b]].to(q.dtype)  # [t, W, D]
-            logits, mask = [logits_f32(qt, keys.transpose(1, 2))], [window.valid[a:b]]
+            logits = [logits_f32(qt, keys.transpose(1, 2))]
             extra = None
             if shared is not None:
                 if r1 - r0 == 1:  # one request: its blocks once, not per query
@@ -204,14 +213,12 @@ class DSV4Backend:
                 else:
                     extra = self.per_token(shared, a, b, r0, r1).to(q.dtype)
                     logits.append(logits_f32(qt, extra.transpose(1, 2)))
-                mask.append(torch.arange(n, device=q.device)[None, :] < visible[a:b, None])
             elif selected is not None:
-                chosen = selected[a:b]
-                extra = buf[slots[self.plan.tok_req[a:b, None], chosen.clamp(min=0)]].to(q.dtype)  # [t, k, D]
+                chosen = selected[a:b].clamp(min=0)
+                extra = buf[slots[self.plan.tok_req[a:b, None], chosen]].to(q.dtype)  # [t, k, D]
                 logits.append(logits_f32(qt, extra.transpose(1, 2)))
-                mask.append(chosen >= 0)
-            logits = torch.cat(logits, -1) * scale
-            logits = logits.masked_fill(~torch.cat(mask, -1)[:, None, :], float("-inf"))
+            logits = (torch.cat(logits, -1) if len(logits) > 1 else logits[0]) * scale
+            logits = torch.where(seen[a:b, None, :], logits, float("-inf"))
             top = torch.maximum(logits.amax(-1), sink)
             weights = torch.exp(logits - top[..., None])
             denom = weights.sum(-1) + torch.exp(sink - top)
@@ -221,6 +228,8 @@ class DSV4Backend:
                 o += (probs[..., width:].flatten(0, 1) @ extra).view(b - a, H, D)
             elif extra is not None:
                 o += torch.bmm(probs[..., width:], extra)
+            if out is None:
+                return o
             out[a:b] = o
         return out
 

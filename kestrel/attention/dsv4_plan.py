@@ -148,6 +148,14 @@ class StepPlan:
             return slots, (self.tok_pos + 1) // ratio
         return self._cached(("blocks", ratio), build)
 
+    def key_mask(self, window_valid: torch.Tensor, ratio: int) -> torch.Tensor:
+        """[T, W + N]: a query's window positions that exist, then the blocks of its request it sees."""
+        def build():
+            slots, visible = self.blocks(ratio)
+            seen = torch.arange(slots.shape[1], device=self.device)[None, :] < visible[:, None]
+            return torch.cat([window_valid, seen], dim=1)
+        return self._cached(("mask", window_valid.shape[1], ratio), build)
+
     # ---- query tiles ---------------------------------------------------------------------------------
     def tiles(self, bytes_per_token: int, budget: int) -> list[tuple[int, int, int, int]]:
         """Token ranges (a, b) holding whole requests r0..r1-1, or a part of one request (r1 = r0 + 1),
