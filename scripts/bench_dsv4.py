@@ -169,7 +169,9 @@ def layers(engine, p: dict, chunk: int) -> dict:
     out: dict = {"context": ctx_len, "cases": {}, "includes": {
         "v4": "V4Attention.forward: wq_a, q_norm, wq_b, per-head norm, rope; wkv, kv_norm, rope; window ring I/O; "
               "compressor(s) and (ratio 4) indexer; softmax over window + compressed entries with sink; inverse "
-              "rope; wo_a (grouped), wo_b. Backend metadata (host lengths) set untimed before each call.",
+              "rope; wo_a (grouped), wo_b. Backend metadata (host lengths) set untimed before each call; the "
+              "step's index plan already built (as by an earlier layer of the step); step_plan_ms: what the "
+              "first layer of its kind pays on top, once per step.",
         "dense": "the same projections, norms and ropes; K=V written to a contiguous [batch, context, 512] cache; "
                  "torch SDPA over every earlier position (one K=V head, MQA; causal lower-right in prefill); "
                  "inverse rope; wo_a, wo_b. sdpa_ms: the SDPA call alone; projections_ms: the rest alone."}}
@@ -181,6 +183,8 @@ def layers(engine, p: dict, chunk: int) -> dict:
         for kind, attn in attn_of.items():
             try:
                 row[kind] = median(v4_layer_ms(attn, ctx, batch, prefix, extend, iters))
+                fresh = median(v4_layer_ms(attn, ctx, batch, prefix, extend, iters, plan_built=False))
+                row.setdefault("step_plan_ms", {})[kind] = fresh - row[kind]
             except Exception as e:  # noqa: BLE001 - one layer's failure (e.g. OOM) keeps the others
                 row[kind] = f"failed: {type(e).__name__}: {e}"
                 _free(device)
@@ -243,7 +247,9 @@ def goals(res: dict, p: dict) -> list[dict]:
         for name, row in lay["cases"].items():
             for kind in KINDS:
                 if isinstance(row.get(kind), float):
-                    add(f"{name} ctx {lay['context']} {kind} ms", round(row[kind], 3), "", None)
+                    plan = row.get("step_plan_ms", {}).get(kind)
+                    add(f"{name} ctx {lay['context']} {kind} ms", round(row[kind], 3),
+                        "" if plan is None else f"({plan:+.3f} ms: the step's plan, once a step)", None)
             if isinstance(row.get("dense"), dict):
                 add(f"{name} ctx {lay['context']} dense ms", round(row["dense"]["sublayer_ms"], 3),
                     f"(SDPA {row['dense']['sdpa_kernel']} {row['dense']['sdpa_ms']:.3f} ms)", None)

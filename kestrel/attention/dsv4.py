@@ -13,6 +13,9 @@ by name, in `pools.layer(layer_id)` (declared by `kestrel/models/deepseek_v4/kv_
 
 A step is an extend of `extend` tokens after `prefix` already processed ones (decode = extend of 1):
 reads of earlier state happen before this step's writes, so one path serves prefill chunks and decode.
+No layer loops over requests: `dsv4_plan.StepPlan` builds every gather/scatter index once per step, and
+the attention gathers each query's keys (its window, then its selected or all visible compressed
+entries) and runs one softmax for all queries and heads, in query tiles that bound its memory.
 A TARGET_VERIFY is such an extend too, so its tree must be a chain (speculative_eagle_topk=1): the
 per-request state is kept by position, one entry per position. Its rejected tokens' writes land in
 ring rows no later step reads (the layout makes the rings that much longer) and in compressed blocks
@@ -25,34 +28,55 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kestrel.attention.dsv4_plan import NewBlocks, StepPlan, V4Span
 from kestrel.attention.hybrid import HybridBackend
+from kestrel.cache.kv_layout import Indexing
 
 if TYPE_CHECKING:
     from kestrel.cache.kv_memory import KVPools
     from kestrel.cache.req_to_token import ReqToTokenPool
     from kestrel.core.forward_batch import ForwardBatch
 
-# Queries per attention tile: bounds the [tile, heads, keys] logits, since a tile needs only the window
-# before it plus the compressed entries, whatever the chunk length.
-_QUERY_TILE = 256
+__all__ = ["DSV4Backend", "V4Span", "WindowKeys", "dsv4_backend"]
+
+# Bytes a query tile's gathered keys and fp32 logits may take: bounds a prefill chunk's working set
+# (a 32k-context ratio-4 query gathers 640 keys of 1 KiB) without splitting a decode batch.
+TILE_BYTES = 512 * 2**20
+
+
+_FP32_OUT: dict[str, bool] = {}
+
+
+def _fp32_out(device: torch.device) -> bool:
+    """Whether this device's matmuls take out_dtype=float32 for half inputs (CUDA builds of recent torch)."""
+    if device.type not in _FP32_OUT:
+        try:  # the layouts `attend` passes: a transposed second operand, 2-D and batched
+            x = torch.ones(2, 3, 4, dtype=torch.bfloat16, device=device)
+            outs = (torch.bmm(x, x.transpose(1, 2), out_dtype=torch.float32),
+                    torch.mm(x[0], x[0].T, out_dtype=torch.float32))
+            _FP32_OUT[device.type] = all(o.dtype == torch.float32 and bool((o == 4).all()) for o in outs)
+        except (RuntimeError, NotImplementedError, TypeError):
+            _FP32_OUT[device.type] = False
+    return _FP32_OUT[device.type]
+
+
+def logits_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (2-D or batched 3-D) in a's dtype with the result in float32: unrounded where the device
+    supports it (as a flash kernel keeps its logits), else rounded to a's dtype first."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if _fp32_out(a.device):
+        return (torch.mm if a.dim() == 2 else torch.bmm)(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
 
 
 @dataclass(frozen=True)
-class V4Span:
-    """One request's part of the flat batch: tokens [start, start + extend) at positions [prefix, seq)."""
+class WindowKeys:
+    """Every query's window keys as a gather: `source[index]` [T, W, D], `valid` [T, W]."""
 
-    row: int  # its req_to_token row, which is also its REQUEST-state row
-    prefix: int
-    extend: int
-    start: int
-
-    @property
-    def seq(self) -> int:
-        return self.prefix + self.extend
-
-    @property
-    def tokens(self) -> slice:
-        return slice(self.start, self.start + self.extend)
+    source: torch.Tensor
+    index: torch.Tensor
+    valid: torch.Tensor
 
 
 class DSV4Backend:
@@ -60,8 +84,12 @@ class DSV4Backend:
         self.name = name
         self.pools = pools
         self.req_to_token = req_to_token
-        self.spans: list[V4Span] = []
-        self._block_slots: dict[int, list[torch.Tensor]] = {}
+        self.plan: StepPlan | None = None
+        self._block_ratios: tuple[int, ...] | None = None  # the layout's, read on the first step
+
+    @property
+    def spans(self) -> list[V4Span]:
+        return self.plan.spans
 
     def init_forward_metadata(self, batch: "ForwardBatch") -> None:
         if batch.prefix_lens_cpu is None or batch.extend_lens_cpu is None:
@@ -70,9 +98,11 @@ class DSV4Backend:
         starts = [0]
         for e in batch.extend_lens_cpu[:-1]:
             starts.append(starts[-1] + e)
-        self.spans = [V4Span(r, p, e, s) for r, p, e, s in zip(rows, batch.prefix_lens_cpu, batch.extend_lens_cpu,
-                                                                starts)]
-        self._block_slots = {}
+        spans = [V4Span(r, p, e, s) for r, p, e, s in zip(rows, batch.prefix_lens_cpu, batch.extend_lens_cpu, starts)]
+        if self._block_ratios is None:
+            self._block_ratios = tuple(sorted({g.ratio for g in self.pools.layout.groups
+                                               if g.indexing is Indexing.BLOCK}))
+        self.plan = StepPlan(spans, self.req_to_token.table, self._block_ratios, self.req_to_token.padding_row)
         self._out_slots = batch.out_cache_loc
         if batch.tree_mask is not None:
             chain = torch.cat([torch.ones(e, e, dtype=torch.bool, device=batch.tree_mask.device).tril().flatten()
@@ -81,99 +111,126 @@ class DSV4Backend:
                 raise ValueError("the dsv4 backend verifies chains only: set speculative_eagle_topk=1")
 
     # ---- sliding window ------------------------------------------------------------------------------
-    def window_keys(self, layer_id: int, kv: torch.Tensor, window_size: int) -> list[tuple[torch.Tensor, int]]:
-        """Per request: (keys of positions [first, seq), first), i.e. the `window_size - 1` positions
-        before this step's first query and the step's own keys kv [T, D]; then the step's keys are stored."""
+    def window_keys(self, layer_id: int, kv: torch.Tensor, window_size: int) -> WindowKeys:
+        """Each query's window (positions pos - window_size + 1 .. pos, itself included) over the stored
+        keys of earlier steps and this step's keys kv [T, D]; then this step's keys are stored."""
+        plan = self.plan
         layer = self.pools.layer(layer_id)
         per_slot = getattr(layer, "win_kv", None)
-        ring = None if per_slot is not None else layer.swa_kv
-        out = []
-        for s in self.spans:
-            first = max(0, s.prefix - window_size + 1)
-            if per_slot is not None:
-                old = per_slot[self.req_to_token.table[s.row, first:s.prefix]]
-            else:
-                old = ring[s.row, torch.arange(first, s.prefix, device=kv.device) % ring.shape[1]]
-            out.append((torch.cat([old.to(kv.dtype), kv[s.tokens]]), first))
+        if per_slot is not None:
+            old = per_slot[plan.old_rows(window_size - 1, None)]
+        else:
+            ring = layer.swa_kv
+            old = ring[plan.rows[:, None], plan.old_rows(window_size - 1, ring.shape[1])]
+        index, valid = plan.window(window_size)
+        keys = WindowKeys(torch.cat([old.flatten(0, 1).to(kv.dtype), kv]), index, valid)
         if per_slot is not None:
             per_slot[self._out_slots] = kv.to(per_slot.dtype)
-            return out
-        size = ring.shape[1]
-        for s in self.spans:
-            keep = torch.arange(max(s.prefix, s.seq - size), s.seq, device=kv.device)
-            ring[s.row, keep % size] = kv[s.start + keep - s.prefix].to(ring.dtype)
-        return out
+        else:
+            ring[plan.ring_writes(ring.shape[1])] = kv.to(ring.dtype)
+        return keys
 
     # ---- compressor state ----------------------------------------------------------------------------
     def compressor_rows(self, layer_id: int, names: tuple[str, str], kv: torch.Tensor, score: torch.Tensor,
-                        ratio: int, overlap: bool) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-        """Per request: (kv rows, score rows, first) for positions [first, seq), first being the start of
-        the block holding `prefix` (of the one before it, with overlap): every row the blocks that
-        complete in this step pool over. The state ring then keeps the newest rows."""
+                        ratio: int, overlap: bool) -> tuple[NewBlocks, torch.Tensor, torch.Tensor] | None:
+        """The blocks this step completes and the row sources their candidate indices point into (kv,
+        score: the stored rows before each request's prefix, then this step's rows); None when no block
+        completes. The state rings then keep the newest rows."""
+        plan = self.plan
         rings = [getattr(self.pools.layer(layer_id), n) for n in names]
-        size = rings[0].shape[1]
-        out = []
-        for s in self.spans:
-            first = max(0, (s.prefix // ratio - int(overlap)) * ratio)
-            old = torch.arange(first, s.prefix, device=kv.device) % size
-            out.append(tuple(torch.cat([ring[s.row, old].to(new.dtype), new[s.tokens]])
-                             for ring, new in zip(rings, (kv, score))) + (first,))
-        for s in self.spans:
-            keep = torch.arange(max(s.prefix, s.seq - size), s.seq, device=kv.device)
-            for ring, new in zip(rings, (kv, score)):
-                ring[s.row, keep % size] = new[s.start + keep - s.prefix].to(ring.dtype)
-        return out
+        blocks = plan.new_blocks(ratio, overlap)
+        sources = None
+        if blocks.count:
+            old = plan.old_rows(ratio * (1 + int(overlap)) - 1, rings[0].shape[1])
+            sources = [torch.cat([ring[plan.rows[:, None], old].flatten(0, 1).to(new.dtype), new])
+                       for ring, new in zip(rings, (kv, score))]
+        for ring, new in zip(rings, (kv, score)):
+            ring[plan.ring_writes(ring.shape[1])] = new.to(ring.dtype)
+        return None if sources is None else (blocks, *sources)
 
     # ---- compressed entries --------------------------------------------------------------------------
-    def _blocks(self, ratio: int) -> list[torch.Tensor]:
-        """Per request, the BLOCK index of each of its complete blocks (after this step)."""
-        if ratio not in self._block_slots:
-            table = self.req_to_token.table
-            self._block_slots[ratio] = [
-                table[s.row, torch.arange(s.seq // ratio, device=table.device) * ratio] // ratio for s in self.spans]
-        return self._block_slots[ratio]
-
-    def write_blocks(self, layer_id: int, name: str, ratio: int, entries: list[tuple[int, torch.Tensor]]) -> None:
-        """Per request (first block index, entries [n, c]): the blocks that completed in this step."""
+    def write_blocks(self, layer_id: int, name: str, blocks: NewBlocks, entries: torch.Tensor) -> None:
+        """Store the entries [N, c] of the blocks this step completed."""
         buf = getattr(self.pools.layer(layer_id), name)
-        for index, (first, new) in zip(self._blocks(ratio), entries):
-            if new.shape[0]:
-                buf[index[first:first + new.shape[0]]] = new.to(buf.dtype)
+        buf[blocks.slots] = entries.to(buf.dtype)
 
-    def read_blocks(self, layer_id: int, name: str, ratio: int) -> list[torch.Tensor]:
-        """Per request, all its complete blocks' entries [seq // ratio, c]."""
-        buf = getattr(self.pools.layer(layer_id), name)
-        return [buf[index] for index in self._blocks(ratio)]
+    def read_blocks(self, layer_id: int, name: str, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(every request's complete blocks' entries [B, N, c], padded; per token how many it sees [T])."""
+        slots, visible = self.plan.blocks(ratio)
+        return getattr(self.pools.layer(layer_id), name)[slots], visible
+
+    def query_tiles(self, bytes_per_token: int) -> list[tuple[int, int, int, int]]:
+        """Token ranges (a, b) over requests r0..r1-1 whose per-token working set fits `TILE_BYTES`."""
+        return self.plan.tiles(bytes_per_token, TILE_BYTES)
+
+    def per_token(self, per_request: torch.Tensor, a: int, b: int, r0: int, r1: int) -> torch.Tensor:
+        """Rows of `per_request` [B, ...] for the tile's tokens a..b-1 (of requests r0..r1-1): a view when
+        each of those requests has one token, else a gather."""
+        if self.plan.one_token_each(r0, r1):
+            return per_request[r0:r1]
+        return per_request[self.plan.tok_req[a:b]]
 
     # ---- attention -----------------------------------------------------------------------------------
-    def attend(self, q: torch.Tensor, window: list[tuple[torch.Tensor, int]], window_size: int,
-               compressed: list[torch.Tensor] | None, visible: list[torch.Tensor] | None, sink: torch.Tensor,
-               scale: float) -> torch.Tensor:
-        """q [T, H, D] -> [T, H, D]: per query, one softmax over its window keys (positions within
-        `window_size`, itself included) and the compressed entries `visible[i]` [extend, n] allows; the
-        sink a_h is an extra logit with a zero value, so it only enlarges the denominator."""
-        out = torch.empty_like(q)
+    def attend(self, layer_id: int, q: torch.Tensor, window: WindowKeys, sink: torch.Tensor, scale: float,
+               ratio: int = 0, selected: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D] -> [T, H, D]: per query, one softmax over its window keys and its compressed
+        entries (ratio 4: the blocks `selected` [T, k] names, -1 = none; ratio 128: every visible
+        block); the sink a_h is an extra logit with a zero value, so it only enlarges the denominator.
+        Both products run in q's dtype (fp32 accumulation, fp32 logits: `logits_f32`); the softmax in fp32."""
+        T, H, D = q.shape
         sink = sink.float()[None, :]
-        for i, s in enumerate(self.spans):
-            keys_all, first = window[i]
-            for a in range(0, s.extend, _QUERY_TILE):
-                b = min(s.extend, a + _QUERY_TILE)
-                t_pos = torch.arange(s.prefix + a, s.prefix + b, device=q.device)[:, None]
-                lo = max(first, s.prefix + a - window_size + 1)
-                keys = keys_all[lo - first:s.prefix + b - first]
-                k_pos = torch.arange(lo, s.prefix + b, device=q.device)[None, :]
-                mask = (k_pos <= t_pos) & (t_pos - k_pos < window_size)
-                if compressed is not None:
-                    keys = torch.cat([keys, compressed[i].to(keys.dtype)])
-                    mask = torch.cat([mask, visible[i][a:b]], dim=1)
-                keys = keys.float()
-                logits = torch.einsum("thd,kd->thk", q[s.start + a:s.start + b].float(), keys) * scale
-                logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-                top = torch.maximum(logits.amax(-1), sink)
-                weights = torch.exp(logits - top[..., None])
-                denom = weights.sum(-1) + torch.exp(sink - top)
-                out[s.start + a:s.start + b] = (torch.einsum("thk,kd->thd", weights, keys)
-                                                / denom[..., None]).to(q.dtype)
+        width = window.index.shape[1]
+        shared = slots = None
+        n = 0
+        if ratio:
+            buf = self.pools.layer(layer_id).ckv
+            slots, _ = self.plan.blocks(ratio)
+            if selected is None:
+                shared = buf[slots]  # [B, N, D]: a request's queries share its visible blocks
+                n = shared.shape[1]
+            else:
+                n = selected.shape[1]
+        # Which keys each query may see: the window's valid positions, then the visible blocks (ratio
+        # 128: the same for every layer of the step) or the indexer's picks.
+        if shared is not None:
+            seen = self.plan.key_mask(window.valid, ratio)
+        elif selected is not None:
+            seen = torch.cat([window.valid, selected >= 0], dim=1)
+        else:
+            seen = window.valid
+        keys_bytes = (width + n) * D * q.element_size()
+        tiles = self.query_tiles(keys_bytes + 3 * H * (width + n) * 4)
+        out = torch.empty_like(q) if len(tiles) > 1 else None
+        for a, b, r0, r1 in tiles:
+            qt = q[a:b]
+            keys = window.source[window.index[a:b]].to(q.dtype)  # [t, W, D]
+            logits = [logits_f32(qt, keys.transpose(1, 2))]
+            extra = None
+            if shared is not None:
+                if r1 - r0 == 1:  # one request: its blocks once, not per query
+                    extra = shared[r0].to(q.dtype)
+                    logits.append(logits_f32(qt.flatten(0, 1), extra.T).view(b - a, H, n))
+                else:
+                    extra = self.per_token(shared, a, b, r0, r1).to(q.dtype)
+                    logits.append(logits_f32(qt, extra.transpose(1, 2)))
+            elif selected is not None:
+                chosen = selected[a:b].clamp(min=0)
+                extra = buf[slots[self.plan.tok_req[a:b, None], chosen]].to(q.dtype)  # [t, k, D]
+                logits.append(logits_f32(qt, extra.transpose(1, 2)))
+            logits = (torch.cat(logits, -1) if len(logits) > 1 else logits[0]) * scale
+            logits = torch.where(seen[a:b, None, :], logits, float("-inf"))
+            top = torch.maximum(logits.amax(-1), sink)
+            weights = torch.exp(logits - top[..., None])
+            denom = weights.sum(-1) + torch.exp(sink - top)
+            probs = (weights / denom[..., None]).to(q.dtype)
+            o = torch.bmm(probs[..., :width], keys)
+            if extra is not None and extra.dim() == 2:
+                o += (probs[..., width:].flatten(0, 1) @ extra).view(b - a, H, D)
+            elif extra is not None:
+                o += torch.bmm(probs[..., width:], extra)
+            if out is None:
+                return o
+            out[a:b] = o
         return out
 
 

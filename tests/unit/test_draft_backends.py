@@ -150,4 +150,4 @@ def test_nextn_on_deepseek_v4_drafts_on_dsv4_and_refuses_other_backends(v4, caps
     with pytest.raises(ValueError, match="attention backend 'torch_native' .from speculative_draft_attention_backend. "
                                          "cannot run DeepSeek-V4's sparse attention; use one of: dsv4"):
         EngineConfig.from_flat(model=v4, device="cpu", speculative_algorithm="NEXTN",
-                               speculative_draft_attention_backend="sdpa").resolve()
+                               speculative_draft_attention_backend="torch_native").resolve()

@@ -47,16 +47,12 @@ class V4Attention(nn.Module):
         q = self.rope(q, positions)
         kv = self.rope(self.kv_norm(self.wkv(x)), positions)
         window = backend.window_keys(self.layer_id, kv, self.window)
-        compressed = visible = None
+        selected = None
         if self.ratio:
             self.compressor(x, positions, backend, self.layer_id)  # before attention: a block is visible
-            compressed = backend.read_blocks(self.layer_id, "ckv", self.ratio)  # from its last token on
-            if self.ratio == 4:
-                visible = self.indexer(x, c_q, positions, backend, self.layer_id)
-            else:
-                visible = [torch.arange(c.shape[0], device=x.device)[None, :]
-                           < (positions[s.tokens, None] + 1) // self.ratio for s, c in zip(backend.spans, compressed)]
-        out = backend.attend(q, window, self.window, compressed, visible, self.attn_sink, self.scale)
+            if self.ratio == 4:  # from its last token on
+                selected = self.indexer(x, c_q, positions, backend, self.layer_id)
+        out = backend.attend(self.layer_id, q, window, self.attn_sink, self.scale, self.ratio, selected)
         out = self.rope(out, positions, inverse=True)  # K=V: undo the rope the values carried
         groups = out.flatten(1).unflatten(-1, (self.groups, -1))  # [T, G, H*D/G]
         wo_a = self.wo_a.weight.unflatten(0, (self.groups, -1))  # [G, o_lora, H*D/G]

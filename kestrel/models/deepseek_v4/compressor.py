@@ -8,10 +8,10 @@ the backend's state ring between steps; a block is emitted in the step that proc
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kestrel.attention.dsv4 import DSV4Backend
+from kestrel.attention.dsv4_plan import NewBlocks
 from kestrel.layers.norm import RMSNorm
 from kestrel.models.deepseek_v4.rope import V4Rope
 
@@ -40,30 +40,22 @@ class Compressor(nn.Module):
         kv = xf @ self.wkv.weight.T
         score = xf @ self.wgate.weight.T + self.ape[positions % self.ratio]
         rows = backend.compressor_rows(layer_id, self.state, kv, score, self.ratio, self.overlap)
-        out = []
-        for span, (kv_rows, score_rows, first) in zip(backend.spans, rows):
-            new_first, new_last = span.prefix // self.ratio, span.seq // self.ratio
-            pooled = self._pool(kv_rows, score_rows, first // self.ratio, new_first, new_last)
-            entries = self.norm(pooled.to(x.dtype))
-            block_pos = torch.arange(new_first, new_last, device=x.device) * self.ratio
-            out.append((new_first, self.rope(entries, block_pos)))
-        backend.write_blocks(layer_id, self.entries, self.ratio, out)
+        if rows is None:
+            return
+        blocks, kv_rows, score_rows = rows
+        entries = self.norm(self._pool(kv_rows, score_rows, blocks).to(x.dtype))
+        backend.write_blocks(layer_id, self.entries, blocks, self.rope(entries, blocks.positions))
 
-    def _pool(self, kv: torch.Tensor, score: torch.Tensor, row_block: int, first: int, last: int) -> torch.Tensor:
-        """Blocks [first, last) from raw rows starting at block `row_block` -> [last - first, dim]."""
-        if last <= first:
-            return kv.new_zeros(0, self.dim)
-        m, c = self.ratio, self.dim
-        n_rows = (last - row_block) * m
-        kv = kv[:n_rows].unflatten(0, (-1, m))  # [blocks, m, width]
-        score = score[:n_rows].unflatten(0, (-1, m))
+    def _pool(self, kv: torch.Tensor, score: torch.Tensor, blocks: NewBlocks) -> torch.Tensor:
+        """The completed blocks' pooled entries [N, dim] from the row sources kv, score [S, width]."""
+        c = self.dim
+        own_kv, own_score = kv[blocks.own], score[blocks.own]  # [N, m, width]
         if self.overlap:
-            # Each block also pools the previous block's "a" half. The rows start one block before
-            # `first` to supply it, and that earlier block is dropped below; block 0 of a sequence has
-            # no predecessor (zero value, -inf score: weight 0).
-            prev_kv = F.pad(kv[:-1, :, :c], (0, 0, 0, 0, 1, 0))
-            prev_score = F.pad(score[:-1, :, :c], (0, 0, 0, 0, 1, 0), value=float("-inf"))
-            kv = torch.cat([prev_kv, kv[:, :, c:]], dim=1)
-            score = torch.cat([prev_score, score[:, :, c:]], dim=1)
-        pooled = (torch.softmax(score, dim=1) * kv).sum(1)
-        return pooled[first - row_block:]
+            # Each block also pools the previous block's "a" half; block 0 of a sequence has no
+            # predecessor (zero value, -inf score: weight 0).
+            gone = ~blocks.has_prev[:, None, None]
+            prev_kv = kv[blocks.prev][:, :, :c].masked_fill(gone, 0.0)
+            prev_score = score[blocks.prev][:, :, :c].masked_fill(gone, float("-inf"))
+            own_kv = torch.cat([prev_kv, own_kv[:, :, c:]], dim=1)
+            own_score = torch.cat([prev_score, own_score[:, :, c:]], dim=1)
+        return (torch.softmax(own_score, dim=1) * own_kv).sum(1)

@@ -30,22 +30,29 @@ class Indexer(nn.Module):
         self.weight_scale = (self.dim * self.heads) ** -0.5
 
     def forward(self, x: torch.Tensor, c_q: torch.Tensor, positions: torch.Tensor, backend: DSV4Backend,
-                layer_id: int) -> list[torch.Tensor]:
-        """Per request, bool [extend, seq // 4]: the blocks each new query attends to."""
+                layer_id: int) -> torch.Tensor:
+        """[T, k]: each query's top-k visible blocks (ordinals in its request's blocks; -1 = none)."""
         self.compressor(x, positions, backend, layer_id)
-        q = self.rope(self.wq_b(c_q).unflatten(-1, (self.heads, self.dim)), positions).float()
-        weights = self.weights_proj(x).float() * self.weight_scale
-        chosen = []
-        for span, keys in zip(backend.spans, backend.read_blocks(layer_id, "idx_k", RATIO)):
-            n = keys.shape[0]
-            scores = torch.einsum("thc,bc->thb", q[span.tokens], keys.float()).relu()
-            scores = (weights[span.tokens, :, None] * scores).sum(1)  # [extend, blocks]
-            visible = (positions[span.tokens, None] + 1) // RATIO
-            blocks = torch.arange(n, device=x.device)[None, :]
-            scores = scores.masked_fill(blocks >= visible, float("-inf"))
-            picked = scores.topk(min(self.topk, n), dim=-1).indices
-            # topk fills up with invisible blocks when fewer than k are visible: send those to a spare column.
-            picked = torch.where(picked < visible, picked, n)
-            mask = torch.zeros(span.extend, n + 1, dtype=torch.bool, device=x.device)
-            chosen.append(mask.scatter_(1, picked, True)[:, :n])
+        q = self.rope(self.wq_b(c_q).unflatten(-1, (self.heads, self.dim)), positions)
+        weights = (self.weights_proj(x).float() * self.weight_scale).to(q.dtype)[:, None, :]  # [T, 1, heads]
+        keys, visible = backend.read_blocks(layer_id, "idx_k", RATIO)  # [B, N, c], [T]
+        keys = keys.to(q.dtype)
+        n = keys.shape[1]
+        k = min(self.topk, n)
+        chosen = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=x.device)
+        if k == 0:
+            return chosen
+        blocks = torch.arange(n, device=x.device)[None, :]
+        per_token = self.heads * n * q.element_size() * 2 + n * 4 * 2 + n * self.dim * q.element_size()
+        for a, b, r0, r1 in backend.query_tiles(per_token):
+            if r1 - r0 == 1:  # one request: its keys once, not per query
+                scores = (q[a:b].flatten(0, 1) @ keys[r0].T).view(b - a, self.heads, n)
+            else:
+                scores = torch.bmm(q[a:b], backend.per_token(keys, a, b, r0, r1).transpose(1, 2))
+            # sum_h w_h ReLU(q_h . k): the ReLU sits between the two products, so [t, heads, n] is needed.
+            scores = torch.bmm(weights[a:b], scores.relu_()).squeeze(1).float()  # [t, n]
+            seen = visible[a:b, None]
+            picked = scores.masked_fill(blocks >= seen, float("-inf")).topk(k, dim=-1).indices
+            # topk fills up with invisible blocks when fewer than k are visible: those are "none".
+            chosen[a:b] = torch.where(picked < seen, picked, -1)
         return chosen

@@ -47,12 +47,10 @@ class V4Rope(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         r = self.rope_dim
         angle = positions.float()[:, None] * self.omega[None, :]
-        cos, sin = angle.cos(), angle.sin()
-        if inverse:
-            sin = -sin
-        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (r // 2,)
-        cos, sin = cos.view(shape), sin.view(shape)
-        pairs = x[..., -r:].float().unflatten(-1, (r // 2, 2))
-        even, odd = pairs[..., 0], pairs[..., 1]
-        turned = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+        # The pairs as complex numbers times e^{±i angle}: the same products as the real form, in fewer
+        # ops (a decode step runs this six times per ratio-4 layer, launch-bound).
+        turn = torch.polar(torch.ones_like(angle), -angle if inverse else angle)
+        turn = turn.view((x.shape[0],) + (1,) * (x.dim() - 2) + (r // 2,))
+        pairs = torch.view_as_complex(x[..., -r:].float().unflatten(-1, (r // 2, 2)))
+        turned = torch.view_as_real(pairs * turn).flatten(-2)
         return torch.cat([x[..., :-r], turned.to(x.dtype)], dim=-1)
