@@ -17,6 +17,13 @@ def _folder(path, **config):
     return str(path)
 
 
+def v4_config() -> dict:
+    """A whole DeepSeek-V4 config (resolve() reads its KV layout for the page size), with one MTP layer."""
+    from tests.model.dsv4_reference import RefConfig
+
+    return {**RefConfig().native_config(), "architectures": ["DeepseekV4ForCausalLM"], "num_nextn_predict_layers": 1}
+
+
 @pytest.fixture
 def dirs(tmp_path):
     return {
@@ -25,7 +32,7 @@ def dirs(tmp_path):
         "eagle3": _folder(tmp_path / "eagle3", architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=100),
         "draft": _folder(tmp_path / "draft", hidden_size=32),
         "other_vocab": _folder(tmp_path / "other_vocab", vocab_size=1000),
-        "mtp": _folder(tmp_path / "mtp", architectures=["DeepseekV4ForCausalLM"], num_nextn_predict_layers=1),
+        "mtp": _folder(tmp_path / "mtp", **v4_config()),
         "v3_mtp": _folder(tmp_path / "v3_mtp", architectures=["DeepseekV3ForCausalLM"], num_nextn_predict_layers=1),
     }
 
