@@ -14,6 +14,7 @@ from torch import nn
 
 from kestrel.cache.kv_layout import KVLayout
 from kestrel.core.forward_batch import ForwardBatch
+from kestrel.distributed.parallel_state import ParallelState
 from kestrel.layers.kernels import Kernels
 from kestrel.layers.norm import RMSNorm
 from kestrel.models.deepseek_v4.block import V4Block
@@ -31,9 +32,10 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     parse_config = staticmethod(parse_v4_config)
 
-    def __init__(self, cfg: V4Config, kernels: Kernels = Kernels()) -> None:
+    def __init__(self, cfg: V4Config, kernels: Kernels = Kernels(), parallel: ParallelState = ParallelState()) -> None:
         super().__init__()
         del kernels  # V4 runs its own torch ops; the fused Llama kernels do not apply
+        self.parallel = parallel
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
