@@ -75,8 +75,12 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
             _fill_random(model)
         return _quantized(model, quantization, kernels).eval()
     if own_loader:
+        # A tensor the model says it skips (another expert-parallel rank's expert) is never read.
+        skips = getattr(model, "skips_checkpoint_tensor", lambda name: False)
+        tensors = ((name, read(None)) for name, read in _checkpoint_reads(Path(model_path), hf_config=config)
+                   if not skips(name))
         with progress_bar(None, "Loading weights", "tensor") as bar:  # its own loader: no count known ahead
-            model.load_checkpoint(_counted(_checkpoint_tensors(Path(model_path)), bar), str(model_path))
+            model.load_checkpoint(_counted(tensors, bar), str(model_path))
         return model.eval()
 
     def skip(name: str) -> bool:

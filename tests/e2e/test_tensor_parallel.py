@@ -35,3 +35,48 @@ def test_tp2_tokens_equal_tp1(tiny_model, arch, overrides):
     options = dict(chunked_prefill_size=16, enable_mixed_chunk=True)
     one = run(model, prompts, params, **options)
     assert run(model, prompts, params, tp_size=2, **options) == one
+
+
+def test_deepseek_v4_experts_split_over_two_ranks_give_one_rank_tokens(tmp_path):
+    """DeepSeek-V4's tiny config at --tp-size 2 --ep-size 2: each rank holds half the routed experts
+    (and reads only those from the file), the routed sums meet in an all-reduce."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from tests.model import dsv4_reference as ref
+
+    cfg = ref.RefConfig(index_n_heads=16)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.native_config()))
+    save_file({k: v.contiguous() for k, v in ref.random_weights(cfg, seed=0).items()},
+              str(tmp_path / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (70, 9)]
+    params = [SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)] * 2
+    options = dict(page_size=128, max_total_tokens=2048, chunked_prefill_size=64)
+    one = run(str(tmp_path), prompts, params, **options)
+    assert run(str(tmp_path), prompts, params, tp_size=2, ep_size=2, **options) == one
+
+
+def test_two_nodes_launched_apart_give_one_rank_tokens(tiny_model):
+    """--nnodes 2: node 1 is `kestrel serve --node-rank 1` (its ranks only, no HTTP), node 0 the engine;
+    both meet at --dist-init-addr. When node 0's engine stops, node 1's launcher exits 0."""
+    import subprocess
+    import sys
+
+    from tests.e2e.server_process import REPO, free_port
+
+    model = tiny_model("llama")
+    prompts = prompts_with_shared_prefixes(2, seed=4)
+    one = run(model, prompts, [GREEDY] * 2)
+    flags = ["--model", model, "--device", "cpu", "--dtype", "float32", "--tp-size", "2", "--nnodes", "2",
+             "--dist-init-addr", f"127.0.0.1:{free_port()}"]
+    node1 = subprocess.Popen([sys.executable, "-m", "kestrel.cli", "serve", *flags, "--node-rank", "1"], cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        options = dict(tp_size=2, nnodes=2, node_rank=0, dist_init_addr=flags[-1])
+        assert run(model, prompts, [GREEDY] * 2, **options) == one
+        assert node1.wait(timeout=60) == 0, node1.stderr.read()
+    finally:
+        node1.kill()

@@ -20,7 +20,7 @@ from kestrel.layers.norm import RMSNorm
 from kestrel.models.deepseek_v4.block import V4Block
 from kestrel.models.deepseek_v4.config import V4Config, parse_v4_config
 from kestrel.models.deepseek_v4.kv_layout import v4_kv_layout
-from kestrel.models.deepseek_v4.loading import fill_dummy, load_v4_checkpoint
+from kestrel.models.deepseek_v4.loading import fill_dummy, is_remote_expert, load_v4_checkpoint
 from kestrel.models.deepseek_v4.mhc import hc_head, hc_site_params
 from kestrel.models.deepseek_v4.mtp import MTPLayer
 
@@ -39,18 +39,22 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            V4Block(cfg, i, cfg.compress_ratios[i], hash_routing=i < cfg.num_hash_layers)
+            V4Block(cfg, i, cfg.compress_ratios[i], hash_routing=i < cfg.num_hash_layers, parallel=parallel)
             for i in range(cfg.num_hidden_layers))
         hc_site_params(self, "hc_head", cfg, head=True)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.mtp = nn.ModuleList(MTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers))
+        self.mtp = nn.ModuleList(MTPLayer(cfg, parallel) for _ in range(cfg.num_nextn_predict_layers))
 
     def kv_layout(self, dtype: torch.dtype) -> KVLayout:
         return v4_kv_layout(self.config, dtype)
 
     def load_checkpoint(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         load_v4_checkpoint(self, tensors, source)
+
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        """Another expert-parallel rank's routed expert: not even read from the file."""
+        return self.parallel.ep_size > 1 and is_remote_expert(name, self.config.n_routed_experts, self.parallel)
 
     def fill_dummy(self) -> None:
         fill_dummy(self)
