@@ -170,3 +170,37 @@ class TPRanks:
             end.close()
         if hasattr(self, "parallel"):
             destroy_parallel(self.parallel)
+
+
+def run_node_ranks(config: EngineConfig, eos_token_ids: set[int]) -> int:
+    """Node `node_rank` > 0 of a multi-node group: run this node's ranks until they exit. They stop when
+    rank 0 stops them (status 0) or when the group breaks; one that fails takes the others on this node
+    down (status 1)."""
+    par = config.parallel
+    per_node = par.tp_size // par.nnodes
+    ranks = range(par.node_rank * per_node, (par.node_rank + 1) * per_node)
+    procs, alive = spawn_ranks(config, ranks, init_method(config), eos_token_ids)
+    logger.info("node %d: tensor-parallel ranks %d-%d (pids %s), rendezvous at %s", par.node_rank, ranks[0],
+                ranks[-1], [p.pid for p in procs], par.dist_init_addr)
+    status = 0
+    try:
+        pending = list(procs)
+        while pending:
+            for sentinel in wait([p.sentinel for p in pending]):
+                proc = next(p for p in pending if p.sentinel == sentinel)
+                proc.join()
+                pending.remove(proc)
+                if proc.exitcode != 0 and status == 0:
+                    logger.error("%s (pid %d) exited with exit code %s; stopping this node's ranks", proc.name,
+                                 proc.pid, proc.exitcode)
+                    status = 1
+                    for other in pending:
+                        other.kill()
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for end in alive:
+            end.close()
+    return status

@@ -66,6 +66,9 @@ class Engine:
         if spec.speculative_algorithm == "NEXTN":
             raise ValueError("speculative decoding with NEXTN (the model's MTP layers) is not wired into the engine "
                              "yet; EAGLE, EAGLE3, STANDALONE and NGRAM are")
+        if config.parallel.node_rank > 0:
+            raise ValueError("node_rank > 0 runs only that node's tensor-parallel ranks, not an engine: start it "
+                             "with `kestrel serve --node-rank N ...` (node 0 runs the engine)")
         if logger.isEnabledFor(logging.DEBUG):
             from kestrel.attention.explain import explain_plan
 
