@@ -88,6 +88,10 @@ class Engine:
         # ---- model, KV memory and runner (every rank builds them the same way) -----------------
         try:
             parts = build_runner(config, self.device, parallel)
+        except Exception as e:
+            if self.ranks is not None:  # a rank that failed to load breaks the group's first collective: name it
+                raise self.ranks.fatal(e) from e
+            raise
         except BaseException:
             if self.ranks is not None:
                 self.ranks.stop()

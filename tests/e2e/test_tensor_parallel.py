@@ -16,25 +16,47 @@ GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
 def run(model: str, prompts: list[list[int]], params: list[SamplingParams], **options) -> list[list[int]]:
     with Engine(model=model, device="cpu", dtype="float32", **options) as engine:
         outs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert all(o.meta["finish_reason"] == "length" for o in outs), [o.meta for o in outs]
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("arch, overrides", [
+SAMPLED = SamplingParams(max_new_tokens=10, temperature=0.8, top_k=50, seed=7, ignore_eos=True)
+# Its tokens go to the ranks, and overlap scheduling stops while it runs.
+PENALIZED = SamplingParams(max_new_tokens=3, temperature=0.0, repetition_penalty=1.5, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch, overrides, options, last", [
     # vocab 511: the vocab-parallel rows do not split evenly (rank 1 holds a padding row).
-    ("llama", dict(vocab_size=511)),
+    ("llama", dict(vocab_size=511), dict(enable_mixed_chunk=True), GREEDY),
     # One KV head for two ranks: each rank keeps a copy of it; tied embeddings; qk-norm; head_dim 32.
-    ("qwen3", dict(num_key_value_heads=1, tie=True)),
-    ("qwen2", {}),  # q/k/v biases sharded with their rows
-], ids=["llama", "qwen3-kv-heads-fewer-than-ranks", "qwen2-bias"])
-def test_tp2_tokens_equal_tp1(tiny_model, arch, overrides):
+    ("qwen3", dict(num_key_value_heads=1, tie=True), dict(enable_mixed_chunk=True), GREEDY),
+    # q/k/v biases sharded with their rows. (Penalties with enable_mixed_chunk fail on one rank too.)
+    ("qwen2", {}, {}, PENALIZED),
+], ids=["llama", "qwen3-kv-heads-fewer-than-ranks", "qwen2-bias-penalties"])
+def test_tp2_tokens_equal_tp1(tiny_model, arch, overrides, options, last):
     model = tiny_model(arch, **overrides)
-    prompts = prompts_with_shared_prefixes(4, vocab=overrides.get("vocab_size", 512), seed=3)
-    # A seeded sampled request too: every rank must draw the same token (the next step's input).
-    params = [GREEDY] * 3 + [SamplingParams(max_new_tokens=10, temperature=0.8, top_k=50, seed=7, ignore_eos=True)]
+    prompts = prompts_with_shared_prefixes(5, vocab=overrides.get("vocab_size", 512), seed=3)
+    # A seeded sampled request: every rank must draw the same token (the next step's input).
+    params = [GREEDY] * 3 + [SAMPLED, last]
     # Chunked prefill over shared prefixes: chunks, radix hits and decodes all cross the ranks.
-    options = dict(chunked_prefill_size=16, enable_mixed_chunk=True)
+    options = dict(chunked_prefill_size=16, **options)
     one = run(model, prompts, params, **options)
     assert run(model, prompts, params, tp_size=2, **options) == one
+
+
+def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(tiny_model):
+    import os
+    import signal
+
+    from kestrel.distributed.errors import RankFailedError
+
+    with Engine(model=tiny_model("llama"), device="cpu", dtype="float32", tp_size=2) as engine:
+        (pid,) = engine.ranks.pids
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RankFailedError, match=f"tensor-parallel rank 1 \\(pid {pid}\\) exited"):
+            engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY, use_tqdm=False)
+        with pytest.raises(RankFailedError):  # and stays down
+            engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY, use_tqdm=False)
 
 
 def test_deepseek_v4_experts_split_over_two_ranks_give_one_rank_tokens(tmp_path):
