@@ -94,7 +94,7 @@ class TPRanks:
         """Readable when a rank process exits (for a loop that waits on its inbox too)."""
         return [p.sentinel for p in self.procs]
 
-    def step(self, batch: ScheduledBatch, sampled: list[Request], logit_rows: list[int] | None,
+    def step(self, batch: ScheduledBatch, sampled: list[Request], logit_rows: list[int],
              futures: list[int]) -> None:
         """Send the step to every rank; the forward that follows on rank 0 meets theirs."""
         self.check()

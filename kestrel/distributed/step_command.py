@@ -40,14 +40,14 @@ class SamplingRow:
 @dataclass
 class StepCommand:
     """`batch` without its Request objects; when the step samples, `rows` (one per sampled request),
-    the logits rows they sample from (None: all of them, in order) and their FutureTokens indices."""
+    the logits rows they sample from and their FutureTokens indices."""
 
     batch: ScheduledBatch
     rows: list[SamplingRow]
-    logit_rows: list[int] | None
+    logit_rows: list[int]
     futures: list[int]
 
     @classmethod
-    def of(cls, batch: ScheduledBatch, sampled: list[Request], logit_rows: list[int] | None,
+    def of(cls, batch: ScheduledBatch, sampled: list[Request], logit_rows: list[int],
            futures: list[int]) -> "StepCommand":
         return cls(dataclasses.replace(batch, reqs=[]), [SamplingRow.of(r) for r in sampled], logit_rows, futures)

@@ -18,7 +18,7 @@ import torch
 from kestrel.config import EngineConfig
 from kestrel.distributed.parallel_state import ParallelState, destroy_parallel, init_parallel, rank_device
 from kestrel.distributed.step_command import StepCommand
-from kestrel.engine.sampler import Sampler, SamplingBatch
+from kestrel.engine.sampler import Sampler, SamplingBatch, sampled_logits
 from kestrel.runner.build import RunnerParts, build_runner
 from kestrel.runner.model_runner import triton_on_device
 
@@ -78,7 +78,7 @@ class RankLoop:
         out = self.parts.runner.forward(cmd.batch)
         if not cmd.rows:
             return
-        logits = out.logits if cmd.logit_rows is None else out.logits[cmd.logit_rows]
+        logits = sampled_logits(out.logits, cmd.logit_rows)
         # SamplingRow carries every Request field from_requests reads.
         sampling = SamplingBatch.from_requests(cmd.rows, self.vocab_size, self.eos_token_ids, self.device)
         pending = self.sampler.sample(logits, sampling)

@@ -22,7 +22,7 @@ from kestrel.core.sampling_params import SamplingParams
 from kestrel.engine import prompt_logprobs
 from kestrel.engine.detokenizer import OutputText
 from kestrel.engine.grammar import GrammarBackend, GrammarState
-from kestrel.engine.sampler import PendingSample, Sampler, SamplingBatch
+from kestrel.engine.sampler import PendingSample, Sampler, SamplingBatch, sampled_logits
 from kestrel.engine.scheduler import Scheduler
 from kestrel.engine.tokenizer import eos_token_ids, load_tokenizer
 from kestrel.distributed.parallel_state import ParallelState, rank_device
@@ -329,16 +329,15 @@ class Engine:
         if asks:  # the logits hold every position of the scored chunks: take each request's last
             spans = batch.logit_spans()
             logit_rows = [spans[i][0] + spans[i][1] - 1 for i in rows]
-        whole = len(logit_rows) == len(batch.logit_rows())  # the sampled rows are all the logits, in order
         futures = self.runner.future_tokens.reserve(len(sampled)) if sampled else []
         if self.ranks is not None:  # the other ranks run the same forward and sample the same rows
-            self.ranks.step(batch, sampled, None if whole else logit_rows, futures)
+            self.ranks.step(batch, sampled, logit_rows, futures)
         out = self.runner.forward(batch)
         prompt = prompt_logprobs.launch(out.logits, batch, asks) if asks else None
         launched = None
         if sampled:
             sampling = SamplingBatch.from_requests(sampled, self.vocab_size, self.eos_token_ids, self.device)
-            logits = out.logits if whole else out.logits[logit_rows]
+            logits = sampled_logits(out.logits, logit_rows)
             launched = _Launched(sampled, futures, None, logits, sampling)
             if self._inflight is None or not any(r.grammar is not None for r in sampled):
                 self._sample(launched)

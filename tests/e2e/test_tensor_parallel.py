@@ -23,13 +23,15 @@ def run(model: str, prompts: list[list[int]], params: list[SamplingParams], **op
 SAMPLED = SamplingParams(max_new_tokens=10, temperature=0.8, top_k=50, seed=7, ignore_eos=True)
 # Its tokens go to the ranks, and overlap scheduling stops while it runs.
 PENALIZED = SamplingParams(max_new_tokens=3, temperature=0.0, repetition_penalty=1.5, ignore_eos=True)
+SCORED = SamplingParams(max_new_tokens=4, temperature=0.0, prompt_logprobs=1, ignore_eos=True)
 
 
 @pytest.mark.parametrize("arch, overrides, options, last", [
     # vocab 511: the vocab-parallel rows do not split evenly (rank 1 holds a padding row).
     ("llama", dict(vocab_size=511), dict(enable_mixed_chunk=True), GREEDY),
     # One KV head for two ranks: each rank keeps a copy of it; tied embeddings; qk-norm; head_dim 32.
-    ("qwen3", dict(num_key_value_heads=1, tie=True), dict(enable_mixed_chunk=True), GREEDY),
+    # Prompt logprobs: logits at every prompt position, the sampled ones picked out on every rank.
+    ("qwen3", dict(num_key_value_heads=1, tie=True), dict(enable_mixed_chunk=True), SCORED),
     # q/k/v biases sharded with their rows. (Penalties with enable_mixed_chunk fail on one rank too.)
     ("qwen2", {}, {}, PENALIZED),
 ], ids=["llama", "qwen3-kv-heads-fewer-than-ranks", "qwen2-bias-penalties"])
