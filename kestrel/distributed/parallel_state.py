@@ -11,6 +11,8 @@ gloo) carries rank 0's per-step broadcast of the batch as plain Python data.
 from __future__ import annotations
 
 import datetime
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,13 +73,28 @@ class ParallelState:
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def init_parallel(tp_rank: int, tp_size: int, ep_size: int, init_method: str, device: torch.device) -> ParallelState:
-    """Join the process group of `tp_size` ranks at `init_method` (tcp://host:port) as `tp_rank`."""
+def init_parallel(tp_rank: int, tp_size: int, ep_size: int, address: str, device: torch.device,
+                  check_ranks: Callable[[], None] = lambda: None) -> ParallelState:
+    """Join the process group of `tp_size` ranks as `tp_rank`; rank 0 hosts the rendezvous at `address`
+    (host:port). Rank 0 first waits for every rank to check in, calling `check_ranks` (which raises if
+    a rank it started has died) meanwhile, so a rank that dies while starting fails the start-up at
+    once instead of leaving rank 0 waiting out the timeout."""
     if tp_size == 1:
         return ParallelState(ep_size=ep_size)
+    host, port = address.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), tp_size, tp_rank == 0, COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    store.set(f"kestrel/joined/{tp_rank}", "1")
+    if tp_rank == 0:
+        keys = [f"kestrel/joined/{rank}" for rank in range(1, tp_size)]
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+        while not store.check(keys):
+            check_ranks()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel ranks did not all join the rendezvous at {address} within "
+                                   f"{COLLECTIVE_TIMEOUT}")
+            time.sleep(0.05)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=tp_rank, world_size=tp_size,
-                            timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=tp_rank, world_size=tp_size, timeout=COLLECTIVE_TIMEOUT)
     group = dist.group.WORLD
     cpu_group = group if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     return ParallelState(tp_rank, tp_size, ep_size, group, cpu_group)

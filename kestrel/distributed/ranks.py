@@ -10,6 +10,7 @@ sockets close at once; NCCL: the monitor aborts the group).
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import socket
@@ -40,10 +41,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_method(config: EngineConfig) -> str:
-    """tcp://host:port of rank 0's rendezvous: `dist_init_addr`, else a free local port (one node)."""
-    addr = config.parallel.dist_init_addr
-    return f"tcp://{addr}" if addr else f"tcp://127.0.0.1:{free_port()}"
+def rendezvous_address(config: EngineConfig) -> str:
+    """host:port of rank 0's rendezvous: `dist_init_addr`, else a free local port (one node)."""
+    return config.parallel.dist_init_addr or f"127.0.0.1:{free_port()}"
 
 
 def spawn_ranks(config: EngineConfig, ranks: range, address: str, eos_token_ids: set[int]
@@ -69,7 +69,7 @@ class TPRanks:
 
     def __init__(self, config: EngineConfig, eos_token_ids: set[int], device) -> None:
         par = config.parallel
-        address = init_method(config)
+        address = rendezvous_address(config)
         self.procs, self._alive = spawn_ranks(config, range(1, par.tp_size // par.nnodes), address, eos_token_ids)
         self.failure: str | None = None
         self._stopped = False
@@ -77,10 +77,13 @@ class TPRanks:
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
         self._monitor = threading.Thread(target=self._watch, daemon=True, name="kestrel-rank-monitor")
         self._monitor.start()
+        # An Engine never shut down: stop the ranks at exit, before multiprocessing terminates them (which
+        # would read as ranks dying).
+        atexit.register(self.stop)
         logger.info("tensor parallelism: %d ranks (%d on this node: pids %s), rendezvous at %s", par.tp_size,
                     1 + len(self.procs), [p.pid for p in self.procs], address)
         try:
-            self.parallel: ParallelState = init_parallel(0, par.tp_size, par.ep_size, address, device)
+            self.parallel: ParallelState = init_parallel(0, par.tp_size, par.ep_size, address, device, self.check)
         except BaseException:
             self.stop()
             raise
@@ -152,6 +155,7 @@ class TPRanks:
         """Stop every rank (they exit their loop, or are killed) and leave the group. Idempotent."""
         if self._stopped:
             return
+        atexit.unregister(self.stop)
         healthy = not self._note_death() and self.failure is None
         self._stopped = True
         self._wake_w.send(None)
@@ -179,7 +183,7 @@ def run_node_ranks(config: EngineConfig, eos_token_ids: set[int]) -> int:
     par = config.parallel
     per_node = par.tp_size // par.nnodes
     ranks = range(par.node_rank * per_node, (par.node_rank + 1) * per_node)
-    procs, alive = spawn_ranks(config, ranks, init_method(config), eos_token_ids)
+    procs, alive = spawn_ranks(config, ranks, rendezvous_address(config), eos_token_ids)
     logger.info("node %d: tensor-parallel ranks %d-%d (pids %s), rendezvous at %s", par.node_rank, ranks[0],
                 ranks[-1], [p.pid for p in procs], par.dist_init_addr)
     status = 0

@@ -25,7 +25,7 @@ from kestrel.runner.model_runner import triton_on_device
 logger = logging.getLogger("kestrel.rank")
 
 
-def rank_main(config: EngineConfig, tp_rank: int, init_method: str, eos_token_ids: set[int],
+def rank_main(config: EngineConfig, tp_rank: int, address: str, eos_token_ids: set[int],
               parent_alive: Connection, log_level: str) -> None:
     """Entry point of a worker rank's process (multiprocessing, spawn context)."""
     # Ctrl-C reaches the whole process group; rank 0 decides, and this rank follows it (stop or exit).
@@ -39,7 +39,7 @@ def rank_main(config: EngineConfig, tp_rank: int, init_method: str, eos_token_id
         if device.type == "cpu":  # the ranks share the machine's cores: oversubscribed, each waits on the others
             torch.set_num_threads(max(1, torch.get_num_threads() // config.parallel.tp_size))
         par = config.parallel
-        parallel = init_parallel(tp_rank, par.tp_size, par.ep_size, init_method, device)
+        parallel = init_parallel(tp_rank, par.tp_size, par.ep_size, address, device)
         parts = build_runner(config, device, parallel)
         RankLoop(parts, parallel, eos_token_ids, device, Sampler(triton_argmax=triton_on_device(config))).run()
         destroy_parallel(parallel)
