@@ -104,3 +104,36 @@ def test_two_nodes_launched_apart_give_one_rank_tokens(tiny_model):
         assert node1.wait(timeout=60) == 0, node1.stderr.read()
     finally:
         node1.kill()
+
+
+def test_each_rank_loads_only_its_slices_and_together_they_make_the_model(tiny_model, monkeypatch):
+    """Built without a process group (loading needs none): rank r's parameters are its slices of the
+    one-rank model's, and what it reads from the file is about half of it, not all of it."""
+    import torch
+
+    from kestrel.distributed.parallel_state import ParallelState
+    from kestrel.models import loader
+
+    path = tiny_model("llama", vocab_size=511)
+    whole = loader.load_model(path, torch.float32, "cpu")
+    read = []
+    real_read = loader._read
+    monkeypatch.setattr(loader, "_read", lambda f, name, part: read.append(t := real_read(f, name, part)) or t)
+    ranks = []
+    for rank in range(2):
+        read.clear()
+        ranks.append(loader.load_model(path, torch.float32, "cpu", parallel=ParallelState(rank, 2)))
+        total = sum(p.numel() for p in whole.parameters())
+        assert sum(t.numel() for t in read) < 0.6 * total  # norms (and biases of row-parallel layers) are whole
+    w = [dict(m.named_parameters()) for m in ranks]
+    full = dict(whole.named_parameters())
+    for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.o_proj.weight"):
+        assert torch.equal(torch.cat([w[0][name], w[1][name]], dim=1), full[name])
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):  # 256 rows each, rank 1's last one padding
+        assert torch.equal(torch.cat([w[0][name], w[1][name]])[:511], full[name])
+        assert not w[1][name][-1].any()
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"  # q: 2 heads each; k, v: 1 head each (of 2)
+    q, k, v = full[qkv].split([4 * 16, 2 * 16, 2 * 16])
+    for rank in range(2):
+        assert torch.equal(w[rank][qkv], torch.cat([q[rank * 32:(rank + 1) * 32], k[rank * 16:(rank + 1) * 16],
+                                                    v[rank * 16:(rank + 1) * 16]]))
