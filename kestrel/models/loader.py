@@ -160,15 +160,18 @@ def _destination(model: nn.Module, params: dict[str, torch.Tensor], name: str):
                 return None, None, None
             module_name, _, param_name = merged_name.rpartition(".")
             module = model.get_submodule(module_name)
-            return (f"{merged_name}#{shard_id}", module.shard(param.data, shard_id),
-                    module.checkpoint_slice(param_name, shard_id))
+            return f"{merged_name}#{shard_id}", module.shard(param.data, shard_id), _slice(module, param_name, shard_id)
     param = params.get(name)
     if param is None:
         return None, None, None
     module_name, _, param_name = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    part = module.checkpoint_slice(param_name, None) if hasattr(module, "checkpoint_slice") else None
-    return name, param.data, part
+    return name, param.data, _slice(model.get_submodule(module_name), param_name, None)
+
+
+def _slice(module: nn.Module, param_name: str, shard_id: int | None) -> Slice | None:
+    """The part of a checkpoint tensor this rank's `module` holds; None: all of it (no tensor parallelism,
+    or a layer that is whole on every rank, such as an FP8 checkpoint's)."""
+    return module.checkpoint_slice(param_name, shard_id) if hasattr(module, "checkpoint_slice") else None
 
 
 def _expected_keys(model: nn.Module, params: dict[str, torch.Tensor]) -> set[str]:
