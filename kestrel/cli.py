@@ -31,6 +31,12 @@ HELP = {
     "speculative_disable_batch_size": "stop speculating above this many running requests (default 32)",
     "speculative_draft_attention_backend": "one attention backend for every phase of the draft model",
     "speculative_attention_mode": "prefill or decode: which half serves TARGET_VERIFY and DRAFT_EXTEND",
+    "tp_size": "tensor-parallel ranks: one process (and GPU) each, the model's heads, MLP and vocabulary split "
+               "over them (docs/parallelism.md)",
+    "ep_size": "ranks the routed experts of a MoE model (DeepSeek-V4) are split over: 1 or --tp-size",
+    "nnodes": "machines the --tp-size ranks are spread over (default 1)",
+    "node_rank": "this machine's place among --nnodes; node 0 serves HTTP, the others run their ranks only",
+    "dist_init_addr": "host:port of node 0's rendezvous, reachable from every node (needed with --nnodes > 1)",
     "max_request_bytes": "largest request body in bytes; larger ones get 413 (default: 4 MiB)",
     "max_queued_requests": "engine requests held beyond --max-running-requests; past it, 503 with Retry-After "
                            "(default: 1024)",

@@ -93,7 +93,13 @@ class CudaGraphConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tp_size: int = 1
+    """SGLang's parallel flags; `kestrel.distributed.resolve.check_parallel` validates them."""
+
+    tp_size: int = 1  # tensor-parallel ranks, one process (and GPU) each
+    ep_size: int = 1  # ranks the routed experts of a MoE model are split over: 1 or tp_size
+    nnodes: int = 1  # machines the tp_size ranks are spread over (tp_size / nnodes each)
+    node_rank: int = 0  # this machine's place; node 0 runs rank 0 (the scheduler and the server)
+    dist_init_addr: str | None = None  # host:port of rank 0's rendezvous; needed with nnodes > 1
 
 
 @dataclass(frozen=True)
@@ -166,6 +172,7 @@ class EngineConfig:
         from kestrel.assets import resolve_model_path
         from kestrel.attention.decisions import extend_prefix_reuse, library_requirements
         from kestrel.attention.registry import attention_backends
+        from kestrel.distributed.resolve import check_parallel
         from kestrel.quant.resolve import resolve_quantization
         from kestrel.spec.draft_backends import draft_backend_plan
         from kestrel.spec.resolve import resolve_speculative
@@ -225,8 +232,7 @@ class EngineConfig:
         if self.cuda_graph.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph.cuda_graph_max_bs}")
         _check_server(self.server)
-        if self.parallel.tp_size != 1:
-            raise ValueError(f"tp_size must be 1 for now, got {self.parallel.tp_size}")
+        check_parallel(self.parallel, hf, device, speculative, quantization)
         out = dataclasses.replace(
             self, device=device, cache=cache, scheduler=scheduler, speculative=speculative,
             model=dataclasses.replace(self.model, model=model_path, dtype=dtype, context_length=context_length,

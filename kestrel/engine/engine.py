@@ -12,7 +12,6 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from kestrel.cache.kv_memory import KVMemory, pool_size
 from kestrel.cache.radix import RadixCache
 from kestrel.config import EngineConfig
 from kestrel.core.batch import ScheduledBatch
@@ -23,18 +22,16 @@ from kestrel.core.sampling_params import SamplingParams
 from kestrel.engine import prompt_logprobs
 from kestrel.engine.detokenizer import OutputText
 from kestrel.engine.grammar import GrammarBackend, GrammarState
-from kestrel.engine.sampler import PendingSample, Sampler, SamplingBatch
+from kestrel.engine.sampler import PendingSample, Sampler, SamplingBatch, sampled_logits
 from kestrel.engine.scheduler import Scheduler
 from kestrel.engine.tokenizer import eos_token_ids, load_tokenizer
-from kestrel.models.loader import load_model
+from kestrel.distributed.parallel_state import ParallelState, rank_device
+from kestrel.distributed.ranks import TPRanks
 from kestrel.progress import progress_bar
-from kestrel.quant.kv import kv_cache_dtype
-from kestrel.runner.future_tokens import FutureTokens
-from kestrel.runner.model_runner import ModelRunner, layer_kernels, triton_on_device
-from kestrel.spec.draft_model import load_draft
+from kestrel.runner.build import build_runner
+from kestrel.runner.model_runner import triton_on_device
 from kestrel.spec.draft_worker import DraftWorker
 from kestrel.spec.ngram_worker import NgramWorker
-from kestrel.spec.resolve import DRAFT_MODEL_ALGORITHMS
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +63,9 @@ class Engine:
             raise TypeError("pass either config or model/engine options, not both")
         self.config = config = config.resolve()
         spec = config.speculative
+        if config.parallel.node_rank > 0:
+            raise ValueError("node_rank > 0 runs only that node's tensor-parallel ranks, not an engine: start it "
+                             "with `kestrel serve --node-rank N ...` (node 0 runs the engine)")
         if logger.isEnabledFor(logging.DEBUG):
             from kestrel.attention.explain import explain_plan
 
@@ -75,37 +75,28 @@ class Engine:
         self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model, required=False)
         self.eos_token_ids = eos_token_ids(config.model.model, self.tokenizer, config.model.hf_config)
 
-        # ---- model ---------------------------------------------------------------------------
-        self.device = torch.device(config.device)
-        dtype = getattr(torch, config.model.dtype)
-        model = load_model(config.model.model, dtype, self.device, layer_kernels(config), config.model.load_format,
-                           config.model.hf_config, config.model.quantization)
-        self.vocab_size = model.config.vocab_size
-        draft = None
-        if spec.speculative_algorithm in DRAFT_MODEL_ALGORITHMS:
-            draft = load_draft(config, model, dtype, self.device, layer_kernels(config))
+        # ---- tensor parallelism: this node's other ranks, then the group ------------------------
+        self.device = rank_device(config, 0)
+        self.ranks: TPRanks | None = None  # None at tp_size 1: no process group, nothing extra per step
+        if config.parallel.tp_size > 1:
+            self.ranks = TPRanks(config, self.eos_token_ids, self.device)
+        parallel = self.ranks.parallel if self.ranks is not None else ParallelState()
 
-        # ---- KV memory: the engine's, shaped by the model (and its draft) -------------------------
-        sched = config.scheduler
-        # A verify step's new tokens, all written before acceptance rolls some back.
-        step_tokens = (spec.speculative_num_draft_tokens or 1) if spec.speculative_algorithm else 1
-        # The draft's KV stays in the model dtype: a draft head's pool is small, and FP8 there would cost acceptance.
-        layouts = [model.kv_layout(kv_cache_dtype(config.cache.kv_cache_dtype, dtype), step_tokens)] + \
-            ([draft.kv_layout] if draft is not None else [])
-        if layouts[0].prefix_cache_unsupported and not config.cache.disable_radix_cache:
-            logger.warning("prefix caching is off for this model: %s", layouts[0].prefix_cache_unsupported)
-            config = self.config = dataclasses.replace(
-                config, cache=dataclasses.replace(config.cache, disable_radix_cache=True))
-        size = pool_size(config.cache, layouts, sched.max_running_requests, self.device)
-        self.kv_memory = KVMemory(layouts, size, config.cache.page_size, sched.max_running_requests,
-                                  config.model.context_length, self.device, step_slack=step_tokens - 1,
-                                  draft_scratch=DraftWorker.scratch_slots(config) if draft is not None else 0)
-        alloc = self.kv_memory.allocator
-        logger.info("KV pool: %d tokens (%.2f GiB, %s), page size %d", alloc.size,
-                    alloc.size * self.kv_memory.bytes_per_token / 2**30, config.cache.kv_cache_dtype, alloc.page_size)
-        # Every sampled request holds a req_to_token row, so a step samples at most max_running_requests.
-        future_tokens = FutureTokens(2 * sched.max_running_requests, self.device)
-        self.runner = ModelRunner(config, model, self.kv_memory, self.kv_memory.pools[0], future_tokens)
+        # ---- model, KV memory and runner (every rank builds them the same way) -----------------
+        try:
+            parts = build_runner(config, self.device, parallel)
+        except Exception as e:
+            if self.ranks is not None:  # a rank that failed to load breaks the group's first collective: name it
+                raise self.ranks.fatal(e) from e
+            raise
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.stop()
+            raise
+        config = self.config = parts.config
+        model, draft, self.kv_memory, self.runner = parts.model, parts.draft, parts.kv_memory, parts.runner
+        self.vocab_size = model.config.vocab_size
+        sched, alloc, future_tokens = config.scheduler, self.kv_memory.allocator, parts.future_tokens
 
         # ---- scheduling and sampling -------------------------------------------------------
         self.radix = RadixCache(alloc, config.cache.page_size, disabled=config.cache.disable_radix_cache)
@@ -156,6 +147,10 @@ class Engine:
             # is only scored never samples; scoring gains nothing from speculation anyway.
             raise ValueError("with speculative decoding, prompt_logprobs are not supported; serve scoring "
                              "requests without speculative_algorithm")
+        if self.ranks is not None and params.grammar is not None:
+            # Its mask is filled on rank 0 after the previous step resolves; the other ranks would need it sent.
+            raise ValueError(f"with tensor parallelism (tp_size > 1), grammars (json_schema, regex, ebnf, "
+                             f"structural_tag) are not supported yet; drop {params.grammar[0]} or serve with tp_size 1")
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt (text) or prompt_token_ids")
         if prompt is not None:
@@ -231,11 +226,15 @@ class Engine:
         N+1 is sampled: masks are exact, overlap stays on, and no extra device sync is added.
 
         A step that raises (the forward, the sampler, a stop check) finishes the requests of the
-        batches it touched with finish_reason "error" and frees their KV; the others go on.
+        batches it touched with finish_reason "error" and frees their KV; the others go on. Under
+        tensor parallelism it raises RankFailedError instead: the ranks may be out of step (or one has
+        died), so the engine cannot go on; `shutdown()` still works.
         """
         start = time.perf_counter()
         done: list[Request] = []
         batch: ScheduledBatch | None = None
+        if self.ranks is not None:
+            self.ranks.check()
         try:
             if self._inflight is not None and not self._can_overlap():
                 done += self._resolve()
@@ -253,6 +252,9 @@ class Engine:
             if launched is not None and self.config.scheduler.disable_overlap_schedule:
                 done += self._resolve()
         except Exception as e:  # noqa: BLE001 - a failed step costs only its own requests
+            if self.ranks is not None:  # ... except under tensor parallelism: see TPRanks
+                self._fail_step(batch, e)
+                raise self.ranks.fatal(e) from e
             done += self._fail_step(batch, e)
         if batch is not None and self._step_hooks:
             info = StepInfo(batch.mode.value, batch.batch_size, batch.num_tokens, time.perf_counter() - start)
@@ -318,24 +320,24 @@ class Engine:
             batch.capture_hidden = self.draft_worker.target_capture
         asks = prompt_logprobs.plan(batch)
         batch.full_logits = tuple(ask.index for ask in asks)
-        out = self.runner.forward(batch)
-        prompt = prompt_logprobs.launch(out.logits, batch, asks) if asks else None
         rows = self.scheduler.sampling_rows(batch)
         sampled = [batch.reqs[i] for i in rows]
+        logit_rows = rows
+        if asks:  # the logits hold every position of the scored chunks: take each request's last
+            spans = batch.logit_spans()
+            logit_rows = [spans[i][0] + spans[i][1] - 1 for i in rows]
+        futures = self.runner.future_tokens.reserve(len(sampled)) if sampled else []
+        if self.ranks is not None:  # the other ranks run the same forward and sample the same rows
+            self.ranks.step(batch, sampled, logit_rows, futures)
+        out = self.runner.forward(batch)
+        prompt = prompt_logprobs.launch(out.logits, batch, asks) if asks else None
         launched = None
         if sampled:
-            logit_rows = rows
-            if asks:  # the logits hold every position of the scored chunks: take each request's last
-                spans = batch.logit_spans()
-                logit_rows = [spans[i][0] + spans[i][1] - 1 for i in rows]
             sampling = SamplingBatch.from_requests(sampled, self.vocab_size, self.eos_token_ids, self.device)
-            logits = out.logits if len(logit_rows) == out.logits.shape[0] else out.logits[logit_rows]
-            launched = _Launched(sampled, [], None, logits, sampling)
-            if self._inflight is not None and any(r.grammar is not None for r in sampled):
-                launched.futures = self.runner.future_tokens.reserve(len(sampled))
-            else:
+            logits = sampled_logits(out.logits, logit_rows)
+            launched = _Launched(sampled, futures, None, logits, sampling)
+            if self._inflight is None or not any(r.grammar is not None for r in sampled):
                 self._sample(launched)
-        futures = launched.futures if launched is not None else []
         prefill_only = self.scheduler.commit(batch, sampled, [[f] for f in futures])
         if self.draft_worker is not None:
             self.draft_worker.extend_after(batch, out, rows, futures)
@@ -353,10 +355,7 @@ class Engine:
             sampling.grammar_rows = torch.tensor(live, dtype=torch.int64).to(self.device, non_blocking=True)
             sampling.grammar_mask = mask.to(self.device, non_blocking=True)
         pending = self.sampler.sample(launched.logits, sampling)
-        if launched.futures:
-            self.runner.future_tokens.write(launched.futures, pending.token_ids)
-        else:
-            launched.futures = self.runner.future_tokens.put(pending.token_ids)
+        self.runner.future_tokens.write(launched.futures, pending.token_ids)
         launched.sample, launched.logits, launched.sampling = pending, None, None
 
     def _verify(self, batch: ScheduledBatch) -> list[Request]:
@@ -527,7 +526,10 @@ class Engine:
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Abort every request and forget them; safe to call at any time, also after a failed step."""
+        """Abort every request and forget them, and stop the tensor-parallel ranks (the engine cannot
+        step after that); safe to call at any time, also after a failed step."""
+        if self.ranks is not None:
+            self.ranks.stop()
         self._inflight = None
         for rid in list(self._reqs):
             self.abort(rid)

@@ -281,6 +281,11 @@ def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 # ---- sampler ----
 
+def sampled_logits(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The logits rows a step samples from: all of them as they are (no copy) when `rows` is every row."""
+    return logits if len(rows) == logits.shape[0] else logits[rows]
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]

@@ -11,25 +11,31 @@ from torch import nn
 
 from kestrel.cache.kv_layout import KVLayout
 from kestrel.core.forward_batch import ForwardBatch
+from kestrel.distributed.parallel_state import ParallelState
 from kestrel.layers.activation import SiluAndMul
 from kestrel.layers.attention import AttentionLayer
 from kestrel.layers.kernels import Kernels
-from kestrel.layers.linear import MergedLinear
+from kestrel.layers.linear import MergedLinear, attention_heads, column_slices, qkv_slices, row_parallel_linear
+from kestrel.layers.vocab_parallel import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_logits
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import RotaryEmbedding
 from kestrel.models.arch_config import ArchConfig, parse_arch_config
 
 
 class LlamaAttention(nn.Module):
-    """`input_size` defaults to the hidden size (EAGLE-3's draft layer reads a 2 x hidden input)."""
+    """`input_size` defaults to the hidden size (EAGLE-3's draft layer reads a 2 x hidden input).
+    Under tensor parallelism the layer holds this rank's heads (`attention_heads`)."""
 
-    def __init__(self, cfg: ArchConfig, layer_id: int, rotary: RotaryEmbedding, input_size: int | None = None) -> None:
+    def __init__(self, cfg: ArchConfig, layer_id: int, rotary: RotaryEmbedding, input_size: int | None = None,
+                 parallel: ParallelState = ParallelState()) -> None:
         super().__init__()
-        heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        all_heads, all_kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        heads, kv_heads, _ = attention_heads(all_heads, all_kv_heads, parallel)
         self.qkv_proj = MergedLinear(input_size or cfg.hidden_size,
-                                     [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], bias=cfg.qkv_bias)
+                                     [all_heads * head_dim, all_kv_heads * head_dim, all_kv_heads * head_dim],
+                                     bias=cfg.qkv_bias, slices=qkv_slices(all_heads, all_kv_heads, head_dim, parallel))
         self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
-        self.o_proj = nn.Linear(heads * head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = row_parallel_linear(all_heads * head_dim, cfg.hidden_size, cfg.o_proj_bias, parallel)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
@@ -52,10 +58,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ArchConfig, kernels: Kernels) -> None:
+    def __init__(self, cfg: ArchConfig, kernels: Kernels, parallel: ParallelState = ParallelState()) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        sizes = [cfg.intermediate_size] * 2
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, sizes, bias=cfg.mlp_bias,
+                                         slices=column_slices(sizes, parallel))
+        self.down_proj = row_parallel_linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, parallel)
         self.act_fn = SiluAndMul(use_triton=kernels.triton_elementwise)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,10 +71,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer_id: int, rotary: RotaryEmbedding, kernels: Kernels) -> None:
+    def __init__(self, cfg: ArchConfig, layer_id: int, rotary: RotaryEmbedding, kernels: Kernels,
+                 parallel: ParallelState) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
-        self.mlp = LlamaMLP(cfg, kernels)
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary, parallel=parallel)
+        self.mlp = LlamaMLP(cfg, kernels, parallel)
         fused = kernels.triton_elementwise
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton=fused)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton=fused)
@@ -85,12 +94,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ArchConfig, kernels: Kernels) -> None:
+    def __init__(self, cfg: ArchConfig, kernels: Kernels, parallel: ParallelState) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if parallel.tp_size == 1 else \
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope,
                                           use_triton=kernels.triton_rope)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary_emb, kernels)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary_emb, kernels, parallel)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton=kernels.triton_elementwise)
 
@@ -117,21 +127,29 @@ class LlamaForCausalLM(nn.Module):
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg: ArchConfig, kernels: Kernels = Kernels()) -> None:
+    def __init__(self, cfg: ArchConfig, kernels: Kernels = Kernels(), parallel: ParallelState = ParallelState()) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, kernels)
+        self.parallel = parallel
+        self.model = LlamaModel(cfg, kernels, parallel)
         # Tied checkpoints reuse the embedding; no separate lm_head parameter is created.
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if parallel.tp_size == 1 else \
+                VocabParallelHead(cfg.vocab_size, cfg.hidden_size, parallel)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.model(input_ids, positions, batch)
 
     def kv_layout(self, dtype: torch.dtype, speculative_tokens: int = 1) -> KVLayout:
-        """`speculative_tokens` needs nothing here: a verify's rejected tokens are rolled back by slot."""
+        """This rank's KV heads (all of them at tp_size 1). `speculative_tokens` needs nothing here: a
+        verify's rejected tokens are rolled back by slot."""
         cfg = self.config
-        return KVLayout.full_attention(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
+        _, kv_heads, _ = attention_heads(cfg.num_attention_heads, cfg.num_key_value_heads, self.parallel)
+        return KVLayout.full_attention(cfg.num_hidden_layers, kv_heads, cfg.head_dim, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.parallel.tp_size > 1:
+            return vocab_parallel_logits(hidden, weight, self.config.vocab_size, self.parallel)
         return F.linear(hidden, weight).float()

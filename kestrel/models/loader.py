@@ -10,7 +10,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kestrel.distributed.parallel_state import ParallelState
 from kestrel.layers.kernels import Kernels
+from kestrel.layers.linear import Slice
 from kestrel.models.gguf import gguf_file, gguf_tensors, read_gguf_config
 from kestrel.models.registry import model_class
 from kestrel.progress import progress_bar
@@ -18,6 +20,8 @@ from kestrel.quant.resolve import checkpoint_quantization
 
 # Buffers some checkpoints store that kestrel recomputes (rope frequencies).
 _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
+
+TensorRead = Callable[[Slice | None], torch.Tensor]
 
 
 def read_config(model_path: str | Path) -> dict:
@@ -38,7 +42,7 @@ def read_arch_config(model_path: str | Path):
 
 def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device | str,
                kernels: Kernels = Kernels(), load_format: str = "auto", hf_config: dict | None = None,
-               quantization: str | None = None) -> nn.Module:
+               quantization: str | None = None, parallel: ParallelState = ParallelState()) -> nn.Module:
     """Build the model directly on `device` in `dtype` and fill it from the checkpoint.
 
     Checkpoint names map to parameters by name, except projections the model merges
@@ -51,6 +55,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
     `quantization="fp8"` runs the decoder's linear layers in FP8 (kestrel.quant.linears): an FP8
     checkpoint's weights as stored, a float checkpoint's (or dummy weights) quantized after loading;
     None loads what the checkpoint holds.
+    `parallel`: the model is built as this rank's shard and reads only its slices of the checkpoint.
     Raises ValueError listing missing or unexpected parameter names.
     """
     if load_format not in ("auto", "dummy"):
@@ -59,7 +64,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
     cls = model_class(config.get("architectures") or [])
     cfg = cls.parse_config(config)
     with torch.device(device), _default_dtype(dtype):
-        model = cls(cfg, kernels)
+        model = cls(cfg, kernels, parallel)
     own_loader = hasattr(model, "load_checkpoint")
     if own_loader and quantization is not None:
         raise ValueError(f"quantization {quantization!r} is not supported for {cls.__name__}")
@@ -70,8 +75,12 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
             _fill_random(model)
         return _quantized(model, quantization, kernels).eval()
     if own_loader:
+        # A tensor the model says it skips (another expert-parallel rank's expert) is never read.
+        skips = getattr(model, "skips_checkpoint_tensor", lambda name: False)
+        tensors = ((name, read(None)) for name, read in _checkpoint_reads(Path(model_path), hf_config=config)
+                   if not skips(name))
         with progress_bar(None, "Loading weights", "tensor") as bar:  # its own loader: no count known ahead
-            model.load_checkpoint(_counted(_checkpoint_tensors(Path(model_path)), bar), str(model_path))
+            model.load_checkpoint(_counted(tensors, bar), str(model_path))
         return model.eval()
 
     def skip(name: str) -> bool:
@@ -105,13 +114,16 @@ def copy_checkpoint(model: nn.Module, model_path: str | Path, what: str, skip: C
     loaded: set[str] = set()
     unexpected: list[str] = []
     with torch.no_grad(), progress_bar(len(expected), "Loading weights", "tensor") as bar:
-        for name, tensor in _checkpoint_tensors(Path(model_path), hf_config=hf_config):
+        for name, read in _checkpoint_reads(Path(model_path), hf_config=hf_config):
             if skip(name):
                 continue
-            target, rows = _destination(model, params, rename(name))
+            target, rows, part = _destination(model, params, rename(name))
             if target is None:
                 unexpected.append(name)
                 continue
+            if part is not None:  # a tensor-parallel shard: read only this rank's slice of the file
+                rows = rows.narrow(part.dim, 0, part.length)  # past it: the vocabulary's zero padding
+            tensor = read(part)
             if rows.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(rows.shape)}")
             rows.copy_(tensor)  # casts to the model dtype and moves to its device
@@ -138,17 +150,28 @@ def checkpoint_tensor(model_path: str | Path, name: str) -> torch.Tensor:
 
 
 def _destination(model: nn.Module, params: dict[str, torch.Tensor], name: str):
-    """(bookkeeping key, tensor view to copy into) for a checkpoint name, or (None, None)."""
+    """(bookkeeping key, tensor view to copy into, this rank's Slice of the checkpoint tensor or None
+    for all of it) for a checkpoint name, or (None, None, None)."""
     for part, (merged, shard_id) in getattr(model, "stacked_params", {}).items():
         if f".{part}." in name:
             merged_name = name.replace(f".{part}.", f".{merged}.")
             param = params.get(merged_name)
             if param is None:
-                return None, None
-            module = model.get_submodule(merged_name.rsplit(".", 1)[0])
-            return f"{merged_name}#{shard_id}", module.shard(param.data, shard_id)
+                return None, None, None
+            module_name, _, param_name = merged_name.rpartition(".")
+            module = model.get_submodule(module_name)
+            return f"{merged_name}#{shard_id}", module.shard(param.data, shard_id), _slice(module, param_name, shard_id)
     param = params.get(name)
-    return (name, param.data) if param is not None else (None, None)
+    if param is None:
+        return None, None, None
+    module_name, _, param_name = name.rpartition(".")
+    return name, param.data, _slice(model.get_submodule(module_name), param_name, None)
+
+
+def _slice(module: nn.Module, param_name: str, shard_id: int | None) -> Slice | None:
+    """The part of a checkpoint tensor this rank's `module` holds; None: all of it (no tensor parallelism,
+    or a layer that is whole on every rank, such as an FP8 checkpoint's)."""
+    return module.checkpoint_slice(param_name, shard_id) if hasattr(module, "checkpoint_slice") else None
 
 
 def _expected_keys(model: nn.Module, params: dict[str, torch.Tensor]) -> set[str]:
@@ -196,10 +219,31 @@ def _checkpoint_tensors(model_path: Path, load: bool = True,
     if (gguf := gguf_file(model_path)) is not None:
         yield from gguf_tensors(gguf, hf_config or read_gguf_config(gguf), load)
         return
+    for name, read in _checkpoint_reads(model_path):
+        yield name, read(None) if load else None
+
+
+def _checkpoint_reads(model_path: Path, hf_config: dict | None = None) -> Iterator[tuple[str, TensorRead]]:
+    """(name, read) for every checkpoint tensor, where `read(part)` returns the tensor, or only its
+    `Slice` `part` (safetensors reads just those bytes, so a tensor-parallel rank never holds the
+    rest). Call `read` before advancing: the file is open only until then."""
+    if (gguf := gguf_file(model_path)) is not None:  # dequantized whole, then sliced
+        for name, tensor in gguf_tensors(gguf, hf_config or read_gguf_config(gguf), True):
+            yield name, lambda part, t=tensor: t if part is None else t.narrow(part.dim, part.start, part.length)
+        return
     for file in _checkpoint_files(model_path):
         with safe_open(str(model_path / file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name) if load else None
+                yield name, lambda part, name=name, f=f: _read(f, name, part)
+
+
+def _read(f, name: str, part: Slice | None) -> torch.Tensor:
+    if part is None:
+        return f.get_tensor(name)
+    view = f.get_slice(name)
+    index = [slice(None)] * len(view.get_shape())
+    index[part.dim] = slice(part.start, part.start + part.length)
+    return view[tuple(index)]
 
 
 def _checkpoint_files(model_path: Path) -> list[str]:

@@ -106,7 +106,8 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
         client = state.client
         return JSONResponse({
             "model_path": state.model_path, "served_model_name": state.served_model_name,
-            "engine_pid": client.info.pid, "engine_alive": client.alive, "vocab_size": client.info.vocab_size,
+            "engine_pid": client.info.pid, "tp_rank_pids": client.info.rank_pids, "engine_alive": client.alive,
+            "vocab_size": client.info.vocab_size,
             "context_length": client.info.context_length, "max_req_len": client.info.max_req_len,
             "stats": {**dataclasses.asdict(client.stats), "token_usage": client.stats.token_usage},
             "admission": {"requests": state.admission.num_requests, "engine_requests": state.admission.in_flight,

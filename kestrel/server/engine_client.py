@@ -224,6 +224,8 @@ class EngineClient:
                     for rid in group.rids:
                         self._tracked.pop(rid, None)
                     group.admitted.set_exception(APIError(msg.status, msg.error, msg.param))
+        elif isinstance(msg, EngineFailed):  # a tensor-parallel rank died; the engine process exits now
+            self._on_dead(msg.error)
         elif isinstance(msg, EngineStats):
             self.stats = msg
             self.metrics.on_stats(msg)

@@ -10,11 +10,12 @@ import logging
 import os
 import signal
 import time
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from kestrel.config import EngineConfig
 from kestrel.core.request import Request
+from kestrel.distributed.errors import RankFailedError
 from kestrel.server.messages import (AbortRequests, AddRequests, Admission, EngineFailed, EngineReady,
                                      Shutdown, StepOutput, TokenDelta)
 
@@ -44,7 +45,8 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, log
         raise SystemExit(1) from None
     outbox.send(EngineReady(pid=os.getpid(), vocab_size=engine.vocab_size, max_req_len=engine.max_req_len,
                             max_total_tokens=engine.kv_memory.allocator.size,
-                            context_length=engine.config.model.context_length))
+                            context_length=engine.config.model.context_length,
+                            rank_pids=engine.ranks.pids if engine.ranks is not None else []))
     EngineLoop(engine, inbox, outbox).run()
 
 
@@ -61,6 +63,13 @@ class EngineLoop:
             self._loop()
         except (EOFError, BrokenPipeError, ConnectionResetError):
             logger.info("the HTTP process is gone; engine process exiting")
+        except RankFailedError as e:  # the HTTP process fails our requests with this reason (503)
+            logger.error("%s; engine process exiting", e)
+            try:
+                self.outbox.send(EngineFailed(str(e)))
+            except OSError:
+                pass
+            raise SystemExit(1) from None
         except Exception:
             logger.exception("the engine loop failed; engine process exiting")
             raise SystemExit(1) from None
@@ -98,7 +107,12 @@ class EngineLoop:
                 self._send_stats()
 
     def _receive(self, block: bool) -> list[Any]:
-        """Every message waiting in the inbox; when `block`, wait for at least one."""
+        """Every message waiting in the inbox; when `block`, wait for at least one (or for a
+        tensor-parallel rank to exit: RankFailedError, even while idle)."""
+        ranks = self.engine.ranks
+        if block and ranks is not None:
+            wait([self.inbox, *ranks.sentinels])
+            ranks.check()
         messages = [self.inbox.recv()] if block else []
         while self.inbox.poll(0):
             messages.append(self.inbox.recv())

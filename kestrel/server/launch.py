@@ -58,9 +58,16 @@ def url(host: str, port: int) -> str:
 
 def serve(config: EngineConfig, served_model_name: str | None = None) -> int:
     """Run the server until SIGINT/SIGTERM; returns the exit status (0, or 1 if a dead engine could not
-    be restarted). Raises ServerStartError (or ValueError for bad config)."""
+    be restarted). Raises ServerStartError (or ValueError for bad config). With `--node-rank` N > 0,
+    run only that node's tensor-parallel ranks (see kestrel.distributed.ranks.run_node_ranks)."""
     name = served_model_name or config.model.model  # as the user named it ("demo"), not the resolved folder
     config = config.resolve()
+    if config.parallel.node_rank > 0:  # another node's ranks: no HTTP here, node 0 serves
+        from kestrel.distributed.ranks import run_node_ranks
+        from kestrel.engine.tokenizer import eos_token_ids
+
+        tokenizer = load_tokenizer(config.model.tokenizer or config.model.model, required=False)
+        return run_node_ranks(config, eos_token_ids(config.model.model, tokenizer, config.model.hf_config))
     server_config = config.server
     sock = bind(server_config.host, server_config.port)
     client: EngineClient | None = None

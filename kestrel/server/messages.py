@@ -50,11 +50,13 @@ class EngineReady:
     max_req_len: int  # a prompt must be shorter; prompt + output never exceeds it
     max_total_tokens: int  # KV pool size in tokens
     context_length: int
+    rank_pids: list[int] = field(default_factory=list)  # tensor-parallel ranks 1.. on this node
 
 
 @dataclass
 class EngineFailed:
-    """The model could not be loaded; the engine process exits after sending this."""
+    """The model could not be loaded, or a tensor-parallel rank died: the engine process exits after
+    sending this."""
 
     error: str
 

@@ -42,6 +42,8 @@ class EngineSupervisor:
     async def _run_restart(self) -> None:
         dead = self.state.client
         await dead.shutdown(timeout=5.0)  # reaps the process, stops its sender thread, closes its pipes
+        if self._closed:  # the server began stopping meanwhile: no new engine
+            return
         logger.warning("starting a new engine process (the model loads again; requests get 503 meanwhile)")
         self._launch = EngineLaunch(self.config, self.log_level)
         try:

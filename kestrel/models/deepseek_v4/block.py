@@ -9,13 +9,15 @@ from kestrel.layers.norm import RMSNorm
 from kestrel.models.deepseek_v4.attention import V4Attention
 from kestrel.models.deepseek_v4.config import V4Config
 from kestrel.models.deepseek_v4.mhc import hc_post, hc_pre, hc_site_params
+from kestrel.distributed.parallel_state import ParallelState
 from kestrel.models.deepseek_v4.moe import V4MoE
 
 
 class V4Block(nn.Module):
     """Attention and MoE sublayers, each between its own mHC pre/post."""
 
-    def __init__(self, cfg: V4Config, layer_id: int, ratio: int, hash_routing: bool) -> None:
+    def __init__(self, cfg: V4Config, layer_id: int, ratio: int, hash_routing: bool,
+                 parallel: ParallelState = ParallelState()) -> None:
         super().__init__()
         self.cfg = cfg
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -23,7 +25,7 @@ class V4Block(nn.Module):
         hc_site_params(self, "hc_attn", cfg)
         hc_site_params(self, "hc_ffn", cfg)
         self.attn = V4Attention(cfg, layer_id, ratio)
-        self.ffn = V4MoE(cfg, hash_routing)
+        self.ffn = V4MoE(cfg, hash_routing, parallel)
 
     def forward(self, X: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:

@@ -18,6 +18,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from kestrel.distributed.parallel_state import ParallelState
+from kestrel.models.deepseek_v4.moe import Experts
 from kestrel.quant.fp8 import dequantize_blocks
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,7 @@ _HF_RENAMES = [
     (r"\.attn\.norm\.", ".attn.kv_norm."),
 ]
 _EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+_ANY_EXPERT = re.compile(r"\.ffn\.experts\.(\d+)\.")  # an expert's weight or scale
 # Copies of the shared embedding / head that some MTP exports carry.
 _SHARED_COPIES = re.compile(r"^mtp\.\d+\.(emb\.tok_emb|head)\.weight$")
 
@@ -63,6 +66,16 @@ def native_name(name: str) -> str:
     for pattern, repl in _HF_RENAMES:
         name = re.sub(pattern, repl, name)
     return name
+
+
+def is_remote_expert(name: str, n_routed_experts: int, parallel: ParallelState) -> bool:
+    """Whether checkpoint tensor `name` (either naming) is one routed expert's (weight or scale) that
+    another expert-parallel rank holds."""
+    m = _ANY_EXPERT.search(native_name(name))
+    if m is None or parallel.ep_size == 1:
+        return False
+    count = n_routed_experts // parallel.ep_size
+    return int(m.group(1)) // count != parallel.ep_rank
 
 
 def _scale_target(name: str) -> str | None:
@@ -97,13 +110,16 @@ def _stacked_keys(name: str, experts: int) -> list[str] | None:
     return None
 
 
-def _target(name: str, state: dict[str, torch.Tensor]) -> tuple[list[str], torch.Tensor] | None:
-    """(bookkeeping keys, tensor view to copy into) for a native-named weight, or None if unknown."""
+def _target(name: str, state: dict[str, torch.Tensor],
+            first_expert: dict[str, int]) -> tuple[list[str], torch.Tensor] | None:
+    """(bookkeeping keys, tensor view to copy into) for a native-named weight, or None if unknown.
+    `first_expert`: each experts module's first global expert id (expert parallelism; else 0)."""
     m = _EXPERT.match(name)
-    if m:  # one expert's w1 / w3 / w2: a slice of the stacked tensor
-        prefix, expert, part = m.group(1), int(m.group(2)), m.group(3)
+    if m:  # one expert's w1 / w3 / w2: a slice of the stacked tensor (its local index)
+        prefix, part = m.group(1), m.group(3)
+        expert = int(m.group(2)) - first_expert.get(prefix, 0)
         stacked = state.get(f"{prefix}.w2" if part == "w2" else f"{prefix}.w13")
-        if stacked is None or expert >= stacked.shape[0]:
+        if stacked is None or not 0 <= expert < stacked.shape[0]:
             return None
         view = stacked[expert] if part == "w2" else stacked[expert].chunk(2, dim=0)[0 if part == "w1" else 1]
         return [f"{prefix}.{part}#{expert}"], view
@@ -126,17 +142,24 @@ def load_v4_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, torch.Tens
     """
     state = model.state_dict(keep_vars=True)
     state = {k: v.data for k, v in state.items()}
+    parallel = getattr(model, "parallel", ParallelState())
+    n_experts = model.config.n_routed_experts
+    first_expert = {name: m.first for name, m in model.named_modules() if isinstance(m, Experts)}
     loaded: set[str] = set()
     unexpected: list[str] = []
     waiting_weight: dict[str, torch.Tensor] = {}
     waiting_scale: dict[str, torch.Tensor] = {}
 
     def place(name: str, tensor: torch.Tensor, scale: torch.Tensor | None) -> None:
-        target = _target(name, state)
+        target = _target(name, state, first_expert)
         if target is None:
             unexpected.append(name)
             return
         keys, view = target
+        stacked = name.rpartition(".")[0]
+        if stacked in first_expert and tensor.shape[0] != view.shape[0]:  # all experts stacked: ours only
+            rows = slice(first_expert[stacked], first_expert[stacked] + view.shape[0])
+            tensor, scale = tensor[rows], (scale[rows] if scale is not None else None)
         value = tensor if scale is None else dequantize(tensor, scale, view.shape)
         if value.shape != view.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape {tuple(view.shape)}")
@@ -145,7 +168,7 @@ def load_v4_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, torch.Tens
 
     for raw_name, tensor in tensors:
         name = native_name(raw_name)
-        if _SHARED_COPIES.match(name):
+        if _SHARED_COPIES.match(name) or is_remote_expert(name, n_experts, parallel):
             continue
         owner = _scale_target(name)
         if owner is not None:

@@ -14,12 +14,13 @@ from torch import nn
 
 from kestrel.cache.kv_layout import KVLayout
 from kestrel.core.forward_batch import ForwardBatch
+from kestrel.distributed.parallel_state import ParallelState
 from kestrel.layers.kernels import Kernels
 from kestrel.layers.norm import RMSNorm
 from kestrel.models.deepseek_v4.block import V4Block
 from kestrel.models.deepseek_v4.config import V4Config, parse_v4_config
 from kestrel.models.deepseek_v4.kv_layout import v4_kv_layout
-from kestrel.models.deepseek_v4.loading import fill_dummy, load_v4_checkpoint
+from kestrel.models.deepseek_v4.loading import fill_dummy, is_remote_expert, load_v4_checkpoint
 from kestrel.models.deepseek_v4.mhc import hc_head, hc_site_params
 from kestrel.models.deepseek_v4.mtp import MTPLayer
 
@@ -33,18 +34,19 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     parse_config = staticmethod(parse_v4_config)
 
-    def __init__(self, cfg: V4Config, kernels: Kernels = Kernels()) -> None:
+    def __init__(self, cfg: V4Config, kernels: Kernels = Kernels(), parallel: ParallelState = ParallelState()) -> None:
         super().__init__()
         del kernels  # V4 runs its own torch ops; the fused Llama kernels do not apply
+        self.parallel = parallel
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            V4Block(cfg, i, cfg.compress_ratios[i], hash_routing=i < cfg.num_hash_layers)
+            V4Block(cfg, i, cfg.compress_ratios[i], hash_routing=i < cfg.num_hash_layers, parallel=parallel)
             for i in range(cfg.num_hidden_layers))
         hc_site_params(self, "hc_head", cfg, head=True)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.mtp = nn.ModuleList(MTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers))
+        self.mtp = nn.ModuleList(MTPLayer(cfg, parallel) for _ in range(cfg.num_nextn_predict_layers))
 
     def kv_layout(self, dtype: torch.dtype, speculative_tokens: int = 1) -> KVLayout:
         """The main layers' KV; a NEXTN draft's pools hold the MTP layer's (`mtp_kv_layout`)."""
@@ -52,6 +54,10 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def load_checkpoint(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         load_v4_checkpoint(self, tensors, source)
+
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        """Another expert-parallel rank's routed expert: not even read from the file."""
+        return self.parallel.ep_size > 1 and is_remote_expert(name, self.config.n_routed_experts, self.parallel)
 
     def fill_dummy(self) -> None:
         fill_dummy(self)

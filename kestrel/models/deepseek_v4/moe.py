@@ -1,12 +1,18 @@
 """V4's MoE sublayer (spec §4): every layer is MoE; the first `num_hash_layers` route by a fixed
 token-id table, the others by top-k of the scores plus a selection-only bias. Routed and shared
-experts are SwiGLU with the same clamp; the routed weights are renormalised and scaled."""
+experts are SwiGLU with the same clamp; the routed weights are renormalised and scaled.
+
+Expert parallelism (`ep_size` > 1): each rank holds n_routed_experts / ep_size consecutive routed
+experts. Every rank holds every token (the rest of the model is replicated), so dispatching a token
+to its experts' ranks is each rank picking the tokens routed to its own experts; the combine is one
+all-reduce of the routed sums. The shared expert is replicated and added after it."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kestrel.distributed.parallel_state import ParallelState
 from kestrel.models.deepseek_v4.config import V4Config
 
 
@@ -47,13 +53,18 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """All routed experts of a layer stacked: `w13` [E, 2I, d] (w1 rows, then w3 rows), `w2` [E, d, I]."""
+    """This rank's routed experts of a layer stacked (all of them at ep_size 1), global ids `first` ..
+    `first + count - 1`: `w13` [count, 2I, d] (w1 rows, then w3 rows), `w2` [count, d, I]."""
 
-    def __init__(self, cfg: V4Config) -> None:
+    def __init__(self, cfg: V4Config, parallel: ParallelState = ParallelState()) -> None:
         super().__init__()
         E, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
-        self.w13 = nn.Parameter(torch.zeros(E, 2 * inter, cfg.hidden_size))
-        self.w2 = nn.Parameter(torch.zeros(E, cfg.hidden_size, inter))
+        if E % parallel.ep_size:
+            raise ValueError(f"ep_size {parallel.ep_size} must divide the model's n_routed_experts ({E})")
+        self.count = E // parallel.ep_size
+        self.first = parallel.ep_rank * self.count
+        self.w13 = nn.Parameter(torch.zeros(self.count, 2 * inter, cfg.hidden_size))
+        self.w2 = nn.Parameter(torch.zeros(self.count, cfg.hidden_size, inter))
 
 
 class SharedExpert(nn.Module):
@@ -65,21 +76,30 @@ class SharedExpert(nn.Module):
 
 
 class V4MoE(nn.Module):
-    def __init__(self, cfg: V4Config, hash_routing: bool) -> None:
+    def __init__(self, cfg: V4Config, hash_routing: bool, parallel: ParallelState = ParallelState()) -> None:
         super().__init__()
         self.limit = cfg.swiglu_limit
+        self.parallel = parallel
         self.gate = Gate(cfg, hash_routing)
-        self.experts = Experts(cfg)
+        self.experts = Experts(cfg, parallel)
         self.shared_experts = SharedExpert(cfg)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x, input_ids)
         sh = self.shared_experts
         out = swiglu(x, sh.w1.weight, sh.w3.weight, sh.w2.weight, self.limit).float()
-        w1, w3 = self.experts.w13.chunk(2, dim=1)
+        experts = self.experts
+        split = self.parallel.ep_size > 1
+        routed = torch.zeros_like(out) if split else out  # one rank: the routed sum goes straight into out
+        w1, w3 = experts.w13.chunk(2, dim=1)
         # Token-by-expert loop over the experts actually hit: the torch path, not the GPU's grouped GEMM.
         for expert in ids.unique().tolist():
+            local = expert - experts.first
+            if not 0 <= local < experts.count:  # another rank's expert
+                continue
             token, slot = (ids == expert).nonzero(as_tuple=True)
-            y = swiglu(x[token], w1[expert], w3[expert], self.experts.w2[expert], self.limit)
-            out.index_add_(0, token, y.float() * weights[token, slot, None])
+            y = swiglu(x[token], w1[local], w3[local], experts.w2[local], self.limit)
+            routed.index_add_(0, token, y.float() * weights[token, slot, None])
+        if split:
+            out = out + self.parallel.all_reduce(routed)
         return out.to(x.dtype)

@@ -12,14 +12,15 @@ from kestrel.core.forward_batch import ForwardBatch
 from kestrel.layers.norm import RMSNorm
 from kestrel.models.deepseek_v4.config import V4Config
 from kestrel.models.deepseek_v4.mhc import hc_head, hc_site_params
+from kestrel.distributed.parallel_state import ParallelState
 from kestrel.models.deepseek_v4.block import V4Block
 
 
 class MTPLayer(V4Block):
     """Layer id num_hidden_layers: its attention has its own sliding-window ring in the KV layout."""
 
-    def __init__(self, cfg: V4Config) -> None:
-        super().__init__(cfg, cfg.num_hidden_layers, cfg.mtp_compress_ratio, hash_routing=False)
+    def __init__(self, cfg: V4Config, parallel: ParallelState = ParallelState()) -> None:
+        super().__init__(cfg, cfg.num_hidden_layers, cfg.mtp_compress_ratio, hash_routing=False, parallel=parallel)
         d = cfg.hidden_size
         self.e_proj = nn.Linear(d, d, bias=False)
         self.h_proj = nn.Linear(d, d, bias=False)

@@ -1,0 +1,85 @@
+"""A tensor-parallel rank other than 0: build the same runner on its shard, then run rank 0's steps.
+
+The loop receives one `StepCommand` per step (None: stop), runs the forward (its collectives meet
+rank 0's) and samples the same rows into its own FutureTokens. Any failure ends the process with
+status 1: rank 0 notices the exit and takes the engine down with a message naming this rank. The
+rank also exits as soon as its parent (rank 0, or a node's launcher) is gone.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from multiprocessing.connection import Connection
+
+import torch
+
+from kestrel.config import EngineConfig
+from kestrel.distributed.parallel_state import ParallelState, destroy_parallel, init_parallel, rank_device
+from kestrel.distributed.step_command import StepCommand
+from kestrel.engine.sampler import Sampler, SamplingBatch, sampled_logits
+from kestrel.runner.build import RunnerParts, build_runner
+from kestrel.runner.model_runner import triton_on_device
+
+logger = logging.getLogger("kestrel.rank")
+
+
+def rank_main(config: EngineConfig, tp_rank: int, address: str, eos_token_ids: set[int],
+              parent_alive: Connection, log_level: str) -> None:
+    """Entry point of a worker rank's process (multiprocessing, spawn context)."""
+    # Ctrl-C reaches the whole process group; rank 0 decides, and this rank follows it (stop or exit).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                        format=f"%(asctime)s %(levelname)s rank{tp_rank} %(name)s: %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(parent_alive, tp_rank), daemon=True,
+                     name="kestrel-parent-watch").start()
+    try:
+        device = rank_device(config, tp_rank)
+        if device.type == "cpu":  # the ranks share the machine's cores: oversubscribed, each waits on the others
+            torch.set_num_threads(max(1, torch.get_num_threads() // config.parallel.tp_size))
+        par = config.parallel
+        parallel = init_parallel(tp_rank, par.tp_size, par.ep_size, address, device)
+        parts = build_runner(config, device, parallel)
+        RankLoop(parts, parallel, eos_token_ids, device, Sampler(triton_argmax=triton_on_device(config))).run()
+        destroy_parallel(parallel)
+    except Exception:
+        logger.exception("tensor-parallel rank %d failed; exiting (rank 0 stops the engine)", tp_rank)
+        os._exit(1)
+
+
+def _exit_with_parent(parent_alive: Connection, tp_rank: int) -> None:
+    """Block until the parent's end of the pipe closes (it exited, however), then exit at once: a rank
+    blocked in a collective would otherwise wait for a peer that never comes."""
+    try:
+        parent_alive.recv()
+    except (EOFError, OSError):
+        pass
+    logger.error("rank %d: the process that started it exited; exiting", tp_rank)
+    os._exit(1)
+
+
+class RankLoop:
+    def __init__(self, parts: RunnerParts, parallel: ParallelState, eos_token_ids: set[int],
+                 device: torch.device, sampler: Sampler) -> None:
+        self.parts = parts
+        self.parallel = parallel
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.sampler = sampler
+        self.vocab_size = parts.model.config.vocab_size
+
+    def run(self) -> None:
+        while (cmd := self.parallel.broadcast()) is not None:
+            self.step(cmd)
+
+    def step(self, cmd: StepCommand) -> None:
+        """What rank 0's Engine._launch does for the device: the forward, then the sample."""
+        out = self.parts.runner.forward(cmd.batch)
+        if not cmd.rows:
+            return
+        logits = sampled_logits(out.logits, cmd.logit_rows)
+        # SamplingRow carries every Request field from_requests reads.
+        sampling = SamplingBatch.from_requests(cmd.rows, self.vocab_size, self.eos_token_ids, self.device)
+        pending = self.sampler.sample(logits, sampling)
+        self.parts.future_tokens.write(cmd.futures, pending.token_ids)

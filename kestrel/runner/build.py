@@ -1,0 +1,74 @@
+"""What every rank builds the same way: the model (its shard), its KV memory and the model runner.
+
+The engine (rank 0) and each tensor-parallel worker rank call `build_runner`; only rank 0 adds a
+tokenizer, a scheduler and the outputs on top.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kestrel.cache.kv_memory import KVMemory, pool_size
+from kestrel.config import EngineConfig
+from kestrel.distributed.parallel_state import ParallelState
+from kestrel.models.loader import load_model
+from kestrel.quant.kv import kv_cache_dtype
+from kestrel.runner.future_tokens import FutureTokens
+from kestrel.runner.model_runner import ModelRunner, layer_kernels
+from kestrel.spec.draft_model import Draft, load_draft
+from kestrel.spec.draft_worker import DraftWorker
+from kestrel.spec.resolve import DRAFT_MODEL_ALGORITHMS
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunnerParts:
+    config: EngineConfig  # as given, or with the radix cache turned off for a model that cannot reuse prefixes
+    model: nn.Module
+    draft: Draft | None
+    kv_memory: KVMemory
+    future_tokens: FutureTokens
+    runner: ModelRunner
+
+
+def build_runner(config: EngineConfig, device: torch.device, parallel: ParallelState) -> RunnerParts:
+    # ---- model ---------------------------------------------------------------------------
+    spec = config.speculative
+    dtype = getattr(torch, config.model.dtype)
+    model = load_model(config.model.model, dtype, device, layer_kernels(config), config.model.load_format,
+                       config.model.hf_config, config.model.quantization, parallel)
+    draft = None
+    if spec.speculative_algorithm in DRAFT_MODEL_ALGORITHMS:
+        draft = load_draft(config, model, dtype, device, layer_kernels(config))
+
+    # ---- KV memory: the engine's, shaped by the model (and its draft) -------------------------
+    sched = config.scheduler
+    # A verify step's new tokens, all written before acceptance rolls some back.
+    step_tokens = (spec.speculative_num_draft_tokens or 1) if spec.speculative_algorithm else 1
+    # The draft's KV stays in the model dtype: a draft head's pool is small, and FP8 there would cost acceptance.
+    layouts = [model.kv_layout(kv_cache_dtype(config.cache.kv_cache_dtype, dtype), step_tokens)] + \
+        ([draft.kv_layout] if draft is not None else [])
+    if layouts[0].prefix_cache_unsupported and not config.cache.disable_radix_cache:
+        if parallel.is_driver:
+            logger.warning("prefix caching is off for this model: %s", layouts[0].prefix_cache_unsupported)
+        config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, disable_radix_cache=True))
+    size = pool_size(config.cache, layouts, sched.max_running_requests, device)
+    if parallel.tp_size > 1:  # every rank's slot space must be the same: the smallest any rank's memory allows
+        size = parallel.all_min(size)
+    kv_memory = KVMemory(layouts, size, config.cache.page_size, sched.max_running_requests,
+                         config.model.context_length, device, step_slack=step_tokens - 1,
+                         draft_scratch=DraftWorker.scratch_slots(config) if draft is not None else 0)
+    alloc = kv_memory.allocator
+    if parallel.is_driver:
+        logger.info("KV pool: %d tokens (%.2f GiB%s, %s), page size %d", alloc.size,
+                    alloc.size * kv_memory.bytes_per_token / 2**30, " per rank" if parallel.tp_size > 1 else "",
+                    config.cache.kv_cache_dtype, alloc.page_size)
+    # Every sampled request holds a req_to_token row, so a step samples at most max_running_requests.
+    future_tokens = FutureTokens(2 * sched.max_running_requests, device)
+    runner = ModelRunner(config, model, kv_memory, kv_memory.pools[0], future_tokens)
+    return RunnerParts(config, model, draft, kv_memory, future_tokens, runner)
