@@ -298,10 +298,11 @@ class Engine:
         return self._reqs.get(rid)
 
     def _can_overlap(self) -> bool:
-        # Penalties are computed from the output tokens, so those must be on the host first; a
+        # Penalties are computed from the output tokens, so those must be on the host first (for every
+        # request the next batch may hold: a prefilling one joins the decodes in a MIXED step); a
         # speculative round needs its requests' tokens to draft from.
         return not self.config.scheduler.disable_overlap_schedule and self.spec_worker is None and \
-            not any(r.params.has_penalties for r in self.scheduler.running)
+            not any(r.params.has_penalties for r in self.scheduler.live())
 
     def _decode_tokens(self) -> int:
         """New positions per running request in the next decode step: a verify tree while speculating,
