@@ -35,7 +35,10 @@ def test_parallel_flags_that_do_not_fit_are_refused_at_resolve(tmp_path, flags, 
 
 
 def test_deepseek_v4_needs_ep_size_equal_to_tp_size(tmp_path):
-    hf = {"architectures": ["DeepseekV4ForCausalLM"], "max_position_embeddings": 128}
+    from tests.model.dsv4_reference import RefConfig
+
+    # A whole config: resolve() reads the model's KV layout for the page size first.
+    hf = {**RefConfig().native_config(), "architectures": ["DeepseekV4ForCausalLM"]}
     with pytest.raises(ValueError, match="set ep_size = tp_size = 2"):
         resolve(tmp_path, hf, tp_size=2, attention_backend="dsv4")
 
