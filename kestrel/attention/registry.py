@@ -17,10 +17,11 @@ if TYPE_CHECKING:
 
 ALIASES: dict[str, str] = {}
 
-# The automatic prefill half on CUDA: "sdpa", torch's cuDNN/flash kernels on few long prompts and the
-# Triton kernel for the rest (on the H200 cuDNN runs an 8k-token prompt's attention 2.9x faster than our
-# Triton kernel: docs/benchmarks.md). The decode half's default stays Triton.
-CUDA_AUTO_PREFILL_BACKEND = "sdpa"
+# The automatic prefill half on CUDA. "sdpa" prefills one 8k-token prompt 1.24x faster on the H200, but
+# with it as the default a serving run of short prompts (which never take its fast path) gave 4.6 % less
+# throughput than Triton on the same machine, for reasons not found yet (docs/benchmarks.md): so Triton,
+# and `--prefill-attention-backend sdpa` for long-prompt workloads.
+CUDA_AUTO_PREFILL_BACKEND = "triton"
 
 
 @dataclass(frozen=True)
