@@ -29,12 +29,7 @@ COMMON = dict(device="cpu", dtype="float32", page_size=128, max_total_tokens=204
 PROMPT_LENS = (120, 5, 37, 60)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,18 @@ from kestrel.attention.dsv4 import DSV4Backend
 from kestrel.cache.kv_memory import KVMemory
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.core.forward_mode import ForwardMode
+from kestrel.models.deepseek_v4.config import parse_v4_config
 from kestrel.models.deepseek_v4.kv_layout import mtp_kv_layout
+from kestrel.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
 PAGE_SIZE = 128
+
+
+def reference_model(cfg, weights: dict[str, torch.Tensor]) -> DeepseekV4ForCausalLM:
+    """The engine's model of the reference config `cfg` (tests/model/dsv4_reference.py) with its weights."""
+    model = DeepseekV4ForCausalLM(parse_v4_config(cfg.native_config()))
+    model.load_checkpoint(weights.items(), "reference weights")
+    return model.eval()
 
 
 class V4Harness:

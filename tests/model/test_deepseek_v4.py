@@ -15,19 +15,13 @@ from kestrel.models.deepseek_v4.kv_layout import mtp_kv_layout
 from kestrel.models.deepseek_v4.mhc import hc_pre
 from kestrel.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from tests.model import dsv4_reference as ref
-from tests.model.dsv4_harness import V4Harness
+from tests.model.dsv4_harness import V4Harness, reference_model
 
 CFG = ref.RefConfig(index_n_heads=16)
 ATOL = 5e-4  # logits are O(1..5); fp32 rope angles and op order differ from the float64-angle reference
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Thousands of tiny ops: with the CPU shared, a second thread's spin-waits cost far more than it gives."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +31,7 @@ def weights() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def model(weights) -> DeepseekV4ForCausalLM:
-    m = DeepseekV4ForCausalLM(parse_v4_config(CFG.native_config()))
-    m.load_checkpoint(weights.items(), "reference weights")
-    return m.eval()
+    return reference_model(CFG, weights)
 
 
 def _ids(n: int, seed: int) -> list[int]:

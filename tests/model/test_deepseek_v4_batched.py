@@ -10,10 +10,9 @@ import torch
 
 from kestrel.attention import dsv4
 from kestrel.attention.dsv4_plan import StepPlan, V4Span
-from kestrel.models.deepseek_v4.config import parse_v4_config
 from kestrel.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from tests.model import dsv4_reference as ref
-from tests.model.dsv4_harness import V4Harness
+from tests.model.dsv4_harness import V4Harness, reference_model
 
 CFG = ref.RefConfig(index_n_heads=16)  # as test_deepseek_v4.py: no exact ties in the indexer's top-k
 ATOL = 5e-4
@@ -26,9 +25,7 @@ def weights() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def model(weights) -> DeepseekV4ForCausalLM:
-    m = DeepseekV4ForCausalLM(parse_v4_config(CFG.native_config()))
-    m.load_checkpoint(weights.items(), "reference weights")
-    return m.eval()
+    return reference_model(CFG, weights)
 
 
 @pytest.fixture(scope="module")
