@@ -53,9 +53,11 @@ class TritonBackend:
             store_kv(k, v, kv.k, kv.v, batch.out_cache_loc, kv.k_scale, kv.v_scale)
             tree = batch.tree_mask.view(torch.uint8) if batch.tree_mask is not None else None
             # A few new tokens per request (verify, draft extend, a decode-sized chunk): split the keys so
-            # that about 256 programs run; like decode's split, from the batch's shape alone.
+            # that about 256 programs run; like decode's split, from the batch's shape alone. The CPU
+            # interpreter runs programs one by one: 2 splits there test the path without the cost.
             few = batch.max_extend <= SPLIT_MAX_EXTEND
-            num_splits = max(1, min(16, 256 // (batch.batch_size * layer.num_heads))) if few else 1
+            most = 2 if self.upcast else 16
+            num_splits = max(1, min(most, 256 // (batch.batch_size * layer.num_heads))) if few else 1
             extend_attention(q, kv.k, kv.v, out, table, batch.req_pool_indices, batch.prefix_lens,
                              batch.extend_lens, self._q_starts, batch.max_extend, layer.scaling,
                              layer.sliding_window, self.upcast, tree, batch.tree_mask_starts, kv.k_scale, kv.v_scale,
