@@ -1,0 +1,128 @@
+"""The serving workload without HTTP: an in-process `Engine` kept at a fixed number of requests in flight.
+
+    python -m kestrel.bench.closed_loop --model kestrel/assets/configs/llama-3.1-8b --load-format dummy \
+        --num-prompts 320 --max-concurrency 64 --random-input-len 1000 --random-output-len 500 \
+        --random-range-ratio 0.2
+
+The same prompts as `kestrel.bench.serving` with the same seed, driven the way the server's engine process
+drives the engine (`step_deltas`, a new request as soon as one finishes). A token's time is when the step
+that produced it returns, so TTFT and ITL here are the engine's own share of what a client sees: set
+against the HTTP benchmark, they tell stalls in the engine from stalls on the way to the client. Every
+step is recorded, and the slowest steps are listed with what they held, which names what an ITL tail is
+made of.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import Counter
+
+import torch
+
+from kestrel.bench.common import median, percentile, report, workload
+from kestrel.cli import add_engine_flags, config_from_args, configure_logging
+from kestrel.core.sampling_params import SamplingParams
+
+
+TOKEN_BUCKETS = (1, 128, 512, 1024, 2048, 4096, 8192, 1 << 30)
+
+
+def bucket(tokens_per_request: float, tokens: int) -> str:
+    if tokens_per_request == 1:
+        return "1/request"
+    return f"<={next(b for b in TOKEN_BUCKETS if tokens <= b)}"
+
+
+def run(engine, prompts: list[list[int]], out_lens: list[int], concurrency: int) -> dict:
+    steps: list[tuple[float, str, int, int, float, int]] = []  # end time, mode, requests, new tokens, s, forwards
+    runner = engine.runner
+    if runner.device.type == "cuda":  # the forwards' own GPU time, whatever overlap scheduling hides
+        runner.forward_events = []
+    engine.add_step_hook(lambda info: steps.append((time.perf_counter(), info.mode.upper(), info.num_reqs,
+                                                     info.num_tokens, info.seconds,
+                                                     len(runner.forward_events or ()))))
+    sent: dict[str, float] = {}
+    last: dict[str, float] = {}
+    ttft: list[float] = []
+    itl: list[float] = []
+    next_prompt, touched = 0, []
+    start = time.perf_counter()
+    while next_prompt < len(prompts) or engine.has_work():
+        while next_prompt < len(prompts) and len(sent) < concurrency:
+            params = SamplingParams(max_new_tokens=out_lens[next_prompt], temperature=0.0, ignore_eos=True)
+            rid = engine.add_request(prompt_token_ids=prompts[next_prompt], sampling_params=params)
+            sent[rid] = time.perf_counter()
+            touched.append(rid)
+            next_prompt += 1
+        news = engine.step_deltas(touched)
+        touched = []
+        now = time.perf_counter()
+        for req, begin in news:
+            new = len(req.output_ids) - begin
+            if new and req.rid not in last:
+                ttft.append(now - sent[req.rid])
+            elif new:  # a delta carrying k tokens counts k gaps of equal share, as the HTTP benchmark does
+                itl += [(now - last[req.rid]) / new] * new
+            last[req.rid] = now
+            if req.finished:
+                del sent[req.rid], last[req.rid]
+    elapsed = time.perf_counter() - start
+    ms = 1e3
+    by_kind: dict[str, list[float]] = {}
+    if runner.forward_events is not None:
+        torch.cuda.synchronize()
+        gpu = [s.elapsed_time(e) for s, e in runner.forward_events]
+        runner.forward_events = None
+        for (_, mode, reqs, tokens, _, upto), (*_, since) in zip(steps, [(0,) * 6] + steps):
+            kind = f"{mode} {bucket(tokens / reqs, tokens)} new tokens"
+            by_kind.setdefault(kind, []).append(sum(gpu[since:upto]))
+    slow = sorted(steps, key=lambda s: -s[4])[:max(1, len(steps) // 100)]
+    gaps = [b[0] - b[4] - a[0] for a, b in zip(steps, steps[1:])]  # host time between two steps
+    return {
+        "elapsed_s": elapsed, "output_tok_per_s": sum(out_lens) / elapsed,
+        "ttft_median_ms": median(ttft) * ms, "ttft_p99_ms": percentile(ttft, 99) * ms,
+        "ttft_steady_p99_ms": percentile(ttft[concurrency:], 99) * ms if len(ttft) > concurrency else None,
+        "itl_median_ms": median(itl) * ms, "itl_p99_ms": percentile(itl, 99) * ms,
+        "steps": len(steps), "step_median_ms": median(s[4] for s in steps) * ms,
+        "step_p99_ms": percentile([s[4] for s in steps], 99) * ms,
+        "between_steps_p99_ms": percentile(gaps, 99) * ms if gaps else 0.0,
+        "slowest_1pct_by_mode": dict(Counter(s[1] for s in slow)),
+        "gpu_forward_ms_by_kind": {k: {"steps": len(v), "median": round(median(v), 2), "max": round(max(v), 2)}
+                                   for k, v in sorted(by_kind.items())},
+        "slowest_1pct": [{"mode": s[1], "requests": s[2], "new_tokens": s[3], "ms": round(s[4] * ms, 2)}
+                         for s in slow[:20]],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_flags(parser)
+    parser.add_argument("--num-prompts", type=int, default=320)
+    parser.add_argument("--max-concurrency", type=int, default=64)
+    parser.add_argument("--random-input-len", type=int, default=1000)
+    parser.add_argument("--random-output-len", type=int, default=500)
+    parser.add_argument("--random-range-ratio", type=float, default=0.2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    from kestrel.engine.engine import Engine
+
+    engine = Engine(config=config_from_args(args))
+    prompts, out_lens = workload(args.num_prompts, args.random_input_len, args.random_output_len,
+                                 args.random_range_ratio, engine.vocab_size, random.Random(args.seed))
+    warm, warm_lens = workload(min(8, args.num_prompts), 64, 8, 1.0, engine.vocab_size, random.Random(args.seed + 1))
+    run(engine, warm, warm_lens, args.max_concurrency)
+    result = run(engine, prompts, out_lens, args.max_concurrency)
+    rows = [(k, v) for k, v in result.items() if not isinstance(v, (list, dict))]
+    rows.append(("slowest 1 % of steps, by mode", result["slowest_1pct_by_mode"]))
+    rows += [(f"GPU forward, {kind}", v) for kind, v in result["gpu_forward_ms_by_kind"].items()]
+    rows += [(f"slow step {i}", s) for i, s in enumerate(result["slowest_1pct"][:8])]
+    report(f"closed loop in process, concurrency {args.max_concurrency}", rows,
+           {"workload": vars(args), "kestrel": result}, args.json)
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
