@@ -201,7 +201,7 @@ class DSV4Backend:
         T, H, D = q.shape
         sink = sink.float()[None, :]
         width = window.index.shape[1]
-        shared = slots = None
+        shared = slots = codec = None
         n = 0
         if ratio:
             layer = self.pools.layer(layer_id)
@@ -221,6 +221,8 @@ class DSV4Backend:
         else:
             seen = window.valid
         keys_bytes = (width + n) * D * q.element_size()
+        if selected is not None and codec is not None:  # each tile decodes its picks
+            keys_bytes += n * codec.decode_bytes
         tiles = self.query_tiles(keys_bytes + 3 * H * (width + n) * 4)
         out = torch.empty_like(q) if len(tiles) > 1 else None
         for a, b, r0, r1 in tiles:

@@ -68,6 +68,12 @@ class RopeEntryFP8:
     def nbytes(self) -> int:
         return self.rope_offset + 2 * self.rope_dim
 
+    @property
+    def decode_bytes(self) -> int:
+        """Transient bytes per entry a gather-and-decode holds beyond its result: the packed row and its
+        float32 values."""
+        return self.nbytes + 4 * self.width
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., width] (any float dtype) -> uint8 [..., nbytes]."""
         lead, n, g = x.shape[:-1], self.nope, self.groups
@@ -86,8 +92,12 @@ class RopeEntryFP8:
     def decode(self, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """uint8 [..., nbytes] -> [..., width] in `dtype`."""
         n, g = self.nope, self.groups
-        scales = ue8m0_to_float(packed[..., n:n + g]).repeat_interleave(GROUP, -1)[..., :n]
-        nope = packed[..., :n].view(FP8).float() * scales
+        scales = ue8m0_to_float(packed[..., n:n + g])
+        nope = packed[..., :n].view(FP8).float()
+        if n == g * GROUP:  # whole groups: broadcast the scales rather than expanding them
+            nope = (nope.unflatten(-1, (g, GROUP)) * scales[..., None]).flatten(-2)
+        else:
+            nope = nope * scales.repeat_interleave(GROUP, -1)[..., :n]
         rope = packed[..., self.rope_offset:].view(torch.bfloat16)  # a gathered row: aligned
         return torch.cat([nope.to(dtype), rope.to(dtype)], dim=-1)
 
@@ -106,6 +116,10 @@ class ScaledKeyFP8:
     @property
     def nbytes(self) -> int:
         return self.width + 4
+
+    @property
+    def decode_bytes(self) -> int:
+        return self.nbytes + 4 * self.width
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., width] -> uint8 [..., nbytes]."""
