@@ -18,7 +18,8 @@ HELP = {
     "max_total_tokens": "KV pool size in tokens (default: from GPU memory; 32768 on CPU)",
     "page_size": "tokens per KV page (default: 1, or 128 for DeepSeek-V4, whose compressed KV blocks need it)",
     "chunked_prefill_size": "prefill tokens per step; -1 disables chunking",
-    "kv_cache_dtype": "auto (the model dtype), fp8_e4m3 or fp8_e5m2: the KV cache in FP8, half the bytes of bf16",
+    "kv_cache_dtype": "auto (the model dtype), fp8_e4m3 or fp8_e5m2: the KV cache in FP8, half the bytes of bf16 "
+                      "(DeepSeek-V4: fp8_e4m3 only, spec §6's packed 584 B entries)",
     "quantization": "fp8: linear weights in FP8 (block-scaled e4m3; a float checkpoint is quantized at load). "
                     "Default: what the checkpoint holds",
     "attention_backend": "attention backend for both phases (e.g. torch_native)",

@@ -2,10 +2,12 @@
 
     PYTHONPATH=. python scripts/bench_dsv4.py            # CUDA; JSON to $OUT/dsv4.json (OUT default ./out)
     PYTHONPATH=. python scripts/bench_dsv4.py --smoke    # the same code on CPU, a tiny V4 config, fp32
+    PYTHONPATH=. python scripts/bench_dsv4.py --kv-cache-dtype fp8_e4m3   # every section over FP8 KV entries
 
 Sections (each in its own try: one failure or OOM is reported and the others still run):
 - kv_bytes: bytes one request at 32k context holds in the engine's KV memory, read off its tensors
-  (window rings, compressed blocks, indexer keys, compressor state), against spec §6's arithmetic;
+  (window rings, compressed blocks, indexer keys, compressor state), against spec §6's arithmetic; for
+  both entry formats (`--kv-cache-dtype` picks the one the engine, and so every other section, runs);
 - prefill: one prompt of 8k and of 32k tokens through the Engine, chunked as its default; the time in
   the attention sublayers (CUDA events around each `V4Attention.forward`) against the whole forward;
 - decode: batch 1 and 32 at 8k context through the Engine, synchronised step times (median), eager
@@ -230,9 +232,12 @@ def goals(res: dict, p: dict) -> list[dict]:
 
     kv = res.get("kv_bytes")
     if isinstance(kv, dict):
-        add(f"KV bytes/token at {kv['context']} (measured)", round(kv["bytes_per_token"], 1),
-            f"within 10% of spec {kv['spec_bytes_per_token']:.1f}", abs(kv["ratio_to_spec"] - 1) <= 0.10)
-        add("  spec slope with our entry bytes", round(kv["spec_slope_with_our_entry_bytes"], 1), "(explains)", None)
+        for name, f in kv["formats"].items():
+            where = "engine" if name == kv["kv_cache_dtype"] else "layout"
+            add(f"KV bytes/token at {f['context']} ({name}, {where})", round(f["bytes_per_token"], 1),
+                f"within 10% of spec {kv['spec_bytes_per_token']:.1f}", abs(f["ratio_to_spec"] - 1) <= 0.10)
+            add(f"  spec slope with {name} entry bytes", round(f["spec_slope_with_our_entry_bytes"], 1),
+                "(explains)", None)
     pre = res.get("prefill")
     if isinstance(pre, dict):
         for length, r in pre.items():
@@ -299,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=200,
                         help="seconds from the start: a section that would begin (or, for decode, finish its "
                              "prefills) past it is skipped")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                        help="the engine's V4 KV entries: the model dtype, or spec §6's packed FP8 (584 B entries)")
     parser.add_argument("--only", default=None, help="comma-separated sections to run (kv_bytes, prefill, decode, "
                                                      "layers, prefill_dense); default all")
     args = parser.parse_args(argv)
@@ -310,10 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     pool = max(max(p["decode_batches"]) * (p["decode_ctx"] + 256), longest + 256)
     engine = Engine(model=model, load_format="dummy", device=p["device"], dtype=p["dtype"], max_total_tokens=pool,
                     max_running_requests=max(p["decode_batches"]), context_length=longest + 1024,
-                    **({"chunked_prefill_size": p["chunk"]} if p["chunk"] else {}))
+                    kv_cache_dtype=args.kv_cache_dtype, **({"chunked_prefill_size": p["chunk"]} if p["chunk"] else {}))
     chunk = engine.config.scheduler.chunked_prefill_size
     cfg = engine.runner.model.config
     res: dict = {"model": model, "device": str(engine.device), "dtype": p["dtype"], "load_format": "dummy",
+                 "kv_cache_dtype": args.kv_cache_dtype,
                  "gpu": torch.cuda.get_device_name() if engine.device.type == "cuda" else None,
                  "config": {"num_hidden_layers": cfg.num_hidden_layers, "compress_ratios": list(cfg.compress_ratios),
                             "heads": cfg.num_attention_heads, "head_dim": cfg.head_dim, "hidden": cfg.hidden_size},

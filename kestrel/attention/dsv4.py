@@ -10,6 +10,10 @@ by name, in `pools.layer(layer_id)` (declared by `kestrel/models/deepseek_v4/kv_
 - compressor state (REQUEST): raw rows of the current partial block (and, with overlap, the last full
   one) at p mod ring, e.g. `comp_kv` / `comp_score`, `idx_kv` / `idx_score`;
 - compressed entries (BLOCK): block i of a request at `req_to_token[row, i * ratio] // ratio`.
+K=V entries and indexer keys are in the model dtype, or packed (`--kv-cache-dtype fp8_e4m3`: a buffer's
+`<name>_codec`, kestrel/quant/kv_entries.py): encoded on store, and decoded to the compute dtype right
+after each gather, so only the rows a step reads are decoded. A step's own window keys are read back
+as stored too, so what a query sees does not depend on how its sequence was cut into steps.
 
 A step is an extend of `extend` tokens after `prefix` already processed ones (decode = extend of 1):
 reads of earlier state happen before this step's writes, so one path serves prefill chunks and decode.
@@ -70,6 +74,16 @@ def logits_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a @ b).float()
 
 
+def _stored(values: torch.Tensor, buf: torch.Tensor, codec) -> torch.Tensor:
+    """What buffer `buf` (with its codec, or None) stores for `values`."""
+    return values.to(buf.dtype) if codec is None else codec.encode(values)
+
+
+def _values(rows: torch.Tensor, codec, dtype: torch.dtype) -> torch.Tensor:
+    """The values gathered stored rows stand for, in `dtype`."""
+    return rows.to(dtype) if codec is None else codec.decode(rows, dtype)
+
+
 @dataclass(frozen=True)
 class WindowKeys:
     """Every query's window keys as a gather: `source[index]` [T, W, D], `valid` [T, W]."""
@@ -118,16 +132,19 @@ class DSV4Backend:
         layer = self.pools.layer(layer_id)
         per_slot = getattr(layer, "win_kv", None)
         if per_slot is not None:
+            codec = layer.win_kv_codec
             old = per_slot[plan.old_rows(window_size - 1, None)]
         else:
-            ring = layer.swa_kv
+            ring, codec = layer.swa_kv, layer.swa_kv_codec
             old = ring[plan.rows[:, None], plan.old_rows(window_size - 1, ring.shape[1])]
+        stored = _stored(kv, per_slot if per_slot is not None else ring, codec)
+        new = kv if codec is None else codec.decode(stored, kv.dtype)
         index, valid = plan.window(window_size)
-        keys = WindowKeys(torch.cat([old.flatten(0, 1).to(kv.dtype), kv]), index, valid)
+        keys = WindowKeys(torch.cat([_values(old.flatten(0, 1), codec, kv.dtype), new]), index, valid)
         if per_slot is not None:
-            per_slot[self._out_slots] = kv.to(per_slot.dtype)
+            per_slot[self._out_slots] = stored
         else:
-            ring[plan.ring_writes(ring.shape[1])] = kv.to(ring.dtype)
+            ring[plan.ring_writes(ring.shape[1])] = stored
         return keys
 
     # ---- compressor state ----------------------------------------------------------------------------
@@ -151,13 +168,17 @@ class DSV4Backend:
     # ---- compressed entries --------------------------------------------------------------------------
     def write_blocks(self, layer_id: int, name: str, blocks: NewBlocks, entries: torch.Tensor) -> None:
         """Store the entries [N, c] of the blocks this step completed."""
-        buf = getattr(self.pools.layer(layer_id), name)
-        buf[blocks.slots] = entries.to(buf.dtype)
+        layer = self.pools.layer(layer_id)
+        buf = getattr(layer, name)
+        buf[blocks.slots] = _stored(entries, buf, getattr(layer, f"{name}_codec"))
 
-    def read_blocks(self, layer_id: int, name: str, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(every request's complete blocks' entries [B, N, c], padded; per token how many it sees [T])."""
+    def read_blocks(self, layer_id: int, name: str, ratio: int,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(every request's complete blocks' entries [B, N, c] in `dtype`, padded; per token how many it
+        sees [T])."""
         slots, visible = self.plan.blocks(ratio)
-        return getattr(self.pools.layer(layer_id), name)[slots], visible
+        layer = self.pools.layer(layer_id)
+        return _values(getattr(layer, name)[slots], getattr(layer, f"{name}_codec"), dtype), visible
 
     def query_tiles(self, bytes_per_token: int) -> list[tuple[int, int, int, int]]:
         """Token ranges (a, b) over requests r0..r1-1 whose per-token working set fits `TILE_BYTES`."""
@@ -180,13 +201,14 @@ class DSV4Backend:
         T, H, D = q.shape
         sink = sink.float()[None, :]
         width = window.index.shape[1]
-        shared = slots = None
+        shared = slots = codec = None
         n = 0
         if ratio:
-            buf = self.pools.layer(layer_id).ckv
+            layer = self.pools.layer(layer_id)
+            buf, codec = layer.ckv, layer.ckv_codec
             slots, _ = self.plan.blocks(ratio)
             if selected is None:
-                shared = buf[slots]  # [B, N, D]: a request's queries share its visible blocks
+                shared = _values(buf[slots], codec, q.dtype)  # [B, N, D]: a request's queries share its blocks
                 n = shared.shape[1]
             else:
                 n = selected.shape[1]
@@ -199,6 +221,8 @@ class DSV4Backend:
         else:
             seen = window.valid
         keys_bytes = (width + n) * D * q.element_size()
+        if selected is not None and codec is not None:  # each tile decodes its picks
+            keys_bytes += n * codec.decode_bytes
         tiles = self.query_tiles(keys_bytes + 3 * H * (width + n) * 4)
         out = torch.empty_like(q) if len(tiles) > 1 else None
         for a, b, r0, r1 in tiles:
@@ -208,14 +232,14 @@ class DSV4Backend:
             extra = None
             if shared is not None:
                 if r1 - r0 == 1:  # one request: its blocks once, not per query
-                    extra = shared[r0].to(q.dtype)
+                    extra = shared[r0]
                     logits.append(logits_f32(qt.flatten(0, 1), extra.T).view(b - a, H, n))
                 else:
-                    extra = self.per_token(shared, a, b, r0, r1).to(q.dtype)
+                    extra = self.per_token(shared, a, b, r0, r1)
                     logits.append(logits_f32(qt, extra.transpose(1, 2)))
             elif selected is not None:
                 chosen = selected[a:b].clamp(min=0)
-                extra = buf[slots[self.plan.tok_req[a:b, None], chosen]].to(q.dtype)  # [t, k, D]
+                extra = _values(buf[slots[self.plan.tok_req[a:b, None], chosen]], codec, q.dtype)  # [t, k, D]
                 logits.append(logits_f32(qt, extra.transpose(1, 2)))
             logits = (torch.cat(logits, -1) if len(logits) > 1 else logits[0]) * scale
             logits = torch.where(seen[a:b, None, :], logits, float("-inf"))

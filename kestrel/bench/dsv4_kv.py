@@ -1,14 +1,19 @@
 """DeepSeek-V4's KV bytes per token: what the engine's KV memory really holds for one request, and
-spec §6's arithmetic for the same model (SGLang's FP8 entry format), which the issue measures it against."""
+spec §6's arithmetic for the same model (SGLang's FP8 entry format), which the issue measures it against.
+Both entry formats are measured (`--kv-cache-dtype` auto and fp8_e4m3): the engine's own memory for the
+one it runs, a KV memory built from the model's layout in the other (CPU, zeros: only its sizes count)."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from kestrel.cache.kv_layout import Indexing
+from kestrel.cache.kv_layout import Indexing, KVLayout
 from kestrel.cache.kv_memory import KVMemory
 from kestrel.models.deepseek_v4.config import V4Config
+from kestrel.quant.kv import kv_cache_dtype
+
+FORMATS = ("auto", "fp8_e4m3")
 
 def kv_bytes_measured(memory: KVMemory, context: int) -> dict:
     """One request at `context` positions in the engine's KV memory, from its tensors' sizes: TOKEN and
@@ -55,15 +60,33 @@ def spec_kv_bytes(cfg: V4Config, context: int) -> dict:
             "flash_slope": spec_slope(21, 20, *spec_entry_bytes(512, 64, 128))}
 
 
+def slope_with_entry_bytes(cfg: V4Config, layout: KVLayout) -> float:
+    """Spec §6's slope with the layout's own bytes per compressed entry and indexer key: what the measured
+    slope must be for that entry format."""
+    sizes = {b.name: b.nbytes for g in layout.groups if g.indexing is Indexing.BLOCK for b in g.buffers}
+    return spec_slope(cfg.compress_ratios.count(4), cfg.compress_ratios.count(128), sizes.get("ckv", 0),
+                      sizes.get("idx_k", 0))
+
+
 def kv_bytes(engine, context: int) -> dict:
-    """The engine's V4 KV bytes per token at `context` against spec §6 for its model."""
-    cfg = engine.runner.model.config
+    """The V4 KV bytes per token at `context` against spec §6 for the engine's model: top level for the
+    engine's entry format (read off its KV memory), `formats` for both."""
+    model, cache = engine.runner.model, engine.config.cache
+    cfg = model.config
     spec = spec_kv_bytes(cfg, context)
-    measured = kv_bytes_measured(engine.kv_memory, context)
-    # Our entries are in the model dtype: the spec's slope with our entry bytes is what our slope must be.
-    size = torch.empty((), dtype=getattr(torch, engine.config.model.dtype)).element_size()
-    ours = spec_slope(cfg.compress_ratios.count(4), cfg.compress_ratios.count(128), cfg.head_dim * size,
-                      cfg.index_head_dim * size)
-    return {**measured, "spec": spec, "spec_bytes_per_token": spec["bytes_per_token"],
-            "spec_slope_with_our_entry_bytes": ours,
-            "ratio_to_spec": measured["bytes_per_token"] / spec["bytes_per_token"]}
+    dtype = getattr(torch, engine.config.model.dtype)
+    formats = {}
+    for name in FORMATS:
+        if name == cache.kv_cache_dtype:
+            memory, source = engine.kv_memory, "the engine's KV memory"
+        else:
+            page = engine.kv_memory.allocator.page_size
+            size = -(-context // page) * page + page
+            memory = KVMemory([model.kv_layout(kv_cache_dtype(name, dtype))], size, page, 1, size, "cpu")
+            source = "a KV memory built from the model's layout in this format (CPU)"
+        measured = kv_bytes_measured(memory, context)
+        formats[name] = {**measured, "source": source,
+                         "spec_slope_with_our_entry_bytes": slope_with_entry_bytes(cfg, memory.pools[0].layout),
+                         "ratio_to_spec": measured["bytes_per_token"] / spec["bytes_per_token"]}
+    return {**formats[cache.kv_cache_dtype], "kv_cache_dtype": cache.kv_cache_dtype, "formats": formats,
+            "spec": spec, "spec_bytes_per_token": spec["bytes_per_token"]}

@@ -14,8 +14,12 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kestrel.quant.kv_entries import KVEntryCodec
 
 
 class Indexing(enum.Enum):
@@ -27,12 +31,20 @@ class Indexing(enum.Enum):
 @dataclass(frozen=True)
 class KVBuffer:
     """One tensor per layer of a group: `shape` is one entry's (TOKEN, BLOCK) or one request's (REQUEST).
-    An FP8 buffer stores value / `scale` (kestrel.quant.kv)."""
+    An FP8 buffer stores value / `scale` (kestrel.quant.kv). A buffer with a `codec` holds packed
+    entries: uint8 rows of `codec.nbytes` (the shape's last dim) standing for `codec.width` values, which
+    its readers decode and its writers encode (kestrel.quant.kv_entries)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     scale: float = 1.0
+    codec: "KVEntryCodec | None" = None
+
+    def __post_init__(self) -> None:
+        if self.codec is not None and (self.dtype != torch.uint8 or self.shape[-1] != self.codec.nbytes):
+            raise ValueError(f"KV buffer {self.name!r}: packed entries are uint8 rows of {self.codec.nbytes} "
+                             f"bytes, got {self.dtype} with shape {self.shape}")
 
     @property
     def nbytes(self) -> int:

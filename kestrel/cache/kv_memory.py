@@ -20,7 +20,8 @@ from kestrel.config import CacheConfig
 
 class LayerKV(SimpleNamespace):
     """One layer's KV tensors by buffer name (`layer.k`, `layer.v` for full attention), and each
-    buffer's scale as `<name>_scale` (`layer.k_scale`: a float, what an FP8 entry is multiplied by)."""
+    buffer's scale as `<name>_scale` (`layer.k_scale`: a float, what an FP8 entry is multiplied by) and
+    its codec as `<name>_codec` (None, or how its packed uint8 rows map to values)."""
 
 
 class KVPools:
@@ -39,6 +40,7 @@ class KVPools:
                 for buf in group.buffers:
                     setattr(kv, buf.name, torch.zeros((entries, *buf.shape), dtype=buf.dtype, device=device))
                     setattr(kv, f"{buf.name}_scale", buf.scale)
+                    setattr(kv, f"{buf.name}_codec", buf.codec)
 
     def layer(self, layer_id: int) -> LayerKV:
         return self._layers[layer_id]

@@ -50,7 +50,8 @@ def build_runner(config: EngineConfig, device: torch.device, parallel: ParallelS
     sched = config.scheduler
     # A verify step's new tokens, all written before acceptance rolls some back.
     step_tokens = (spec.speculative_num_draft_tokens or 1) if spec.speculative_algorithm else 1
-    # The draft's KV stays in the model dtype: a draft head's pool is small, and FP8 there would cost acceptance.
+    # A draft head's KV stays in the model dtype: its pool is small, and FP8 there would cost acceptance.
+    # NEXTN's (DeepSeek-V4's MTP layer) follows the target's: one entry per slot grows with the tokens.
     layouts = [model.kv_layout(kv_cache_dtype(config.cache.kv_cache_dtype, dtype), step_tokens)] + \
         ([draft.kv_layout] if draft is not None else [])
     if layouts[0].prefix_cache_unsupported and not config.cache.disable_radix_cache:

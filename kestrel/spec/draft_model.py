@@ -18,6 +18,7 @@ from torch import nn
 from kestrel.cache.kv_layout import KVLayout
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.layers.kernels import Kernels
+from kestrel.quant.kv import kv_cache_dtype
 
 
 class HeadAsModel(nn.Module):
@@ -78,14 +79,14 @@ def load_draft(config: Any, target: nn.Module, dtype: torch.dtype, device: torch
             return Draft(HeadAsModel(head), layout, uses_features=True)
         return Draft(HeadAsModel(head), layout, uses_features=True, target_capture=head.target_hidden_layers,
                      features=head.project_target_hidden)
-    if algorithm == "NEXTN":
-        return _nextn_draft(target, dtype)
+    if algorithm == "NEXTN":  # its KV in the target's entry format (SGLang's MTP ring is FP8 too)
+        return _nextn_draft(target, kv_cache_dtype(config.cache.kv_cache_dtype, dtype))
     raise ValueError(f"speculative_algorithm={algorithm} has no draft model kestrel can run here")
 
 
-def _nextn_draft(target: nn.Module, dtype: torch.dtype) -> Draft:
+def _nextn_draft(target: nn.Module, kv_dtype: torch.dtype) -> Draft:
     """The target's own MTP layer (a DeepSeek-V4 target: `resolve_speculative` checked), reading the
-    target's pre-hc_head streams."""
+    target's pre-hc_head streams; `kv_dtype`: the target's KV pool dtype (`mtp_kv_layout`)."""
     from kestrel.models.deepseek_v4.kv_layout import mtp_kv_layout
     from kestrel.models.deepseek_v4.mtp import MTPDraft
 
@@ -93,5 +94,5 @@ def _nextn_draft(target: nn.Module, dtype: torch.dtype) -> Draft:
         raise ValueError("NEXTN needs the target's MTP layer, but its checkpoint has no mtp.* tensors (a folder "
                          "saved by transformers keeps none); use DeepSeek's own checkpoint")
     cfg = target.config
-    return Draft(MTPDraft(target), mtp_kv_layout(cfg, dtype), uses_features=True,
+    return Draft(MTPDraft(target), mtp_kv_layout(cfg, kv_dtype), uses_features=True,
                  target_capture=(cfg.num_hidden_layers,))

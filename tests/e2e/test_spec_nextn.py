@@ -170,3 +170,21 @@ def test_aborts_mid_round_leak_nothing(checkpoint, plain):
         assert [engine.request(r).output_ids for r in rids[1::2]] == plain[1::2]
         assert engine.kv_memory.req_to_token.available() == engine.kv_memory.req_to_token.max_requests
         assert_pool_full(engine)
+
+
+def test_fp8_kv_greedy_equals_plain_fp8_greedy(checkpoint):
+    """`--kv-cache-dtype fp8_e4m3`: the draft's window KV is packed like the target's (SGLang's MTP ring is
+    FP8 too), and greedy NEXTN = plain greedy over the same FP8 KV, for the 120-token prompt (across
+    position 127) and the 37-token one at batch 2."""
+    chosen = [prompts()[0], prompts()[2]]
+    fp8 = dict(COMMON, kv_cache_dtype="fp8_e4m3", max_running_requests=2)
+    with Engine(model=checkpoint, **fp8) as engine:
+        expected = [o.token_ids for o in engine.generate(prompt_token_ids=chosen, sampling_params=greedy(12))]
+    with Engine(model=checkpoint, speculative_algorithm="NEXTN", **fp8) as engine:
+        draft_layer = engine.kv_memory.pools[1].layer(CFG.num_hidden_layers)
+        assert draft_layer.win_kv.dtype == torch.uint8 and draft_layer.win_kv_codec is not None
+        modes = []
+        engine.add_step_hook(lambda info: modes.append(info.mode))
+        outs = engine.generate(prompt_token_ids=chosen, sampling_params=greedy(12))
+        assert [o.token_ids for o in outs] == expected and "target_verify" in modes
+        assert_pool_full(engine)

@@ -28,9 +28,10 @@ def reference_model(cfg, weights: dict[str, torch.Tensor]) -> DeepseekV4ForCausa
 
 class V4Harness:
     def __init__(self, model: torch.nn.Module, num_requests: int, max_context: int = 1024,
-                 pool_tokens: int = 8192, with_mtp: bool = False) -> None:
+                 pool_tokens: int = 8192, with_mtp: bool = False, kv_dtype: torch.dtype = torch.float32) -> None:
+        """`kv_dtype`: the pools' (float32, the model's; float8_e4m3fn: packed FP8 entries)."""
         self.model = model
-        layouts = [model.kv_layout(torch.float32)] + ([mtp_kv_layout(model.config, torch.float32)] if with_mtp else [])
+        layouts = [model.kv_layout(kv_dtype)] + ([mtp_kv_layout(model.config, kv_dtype)] if with_mtp else [])
         self.memory = KVMemory(layouts, pool_tokens, PAGE_SIZE, num_requests, max_context, "cpu")
         self.backend = DSV4Backend(self.memory.pools[0], self.memory.req_to_token)
         self.mtp_backend = DSV4Backend(self.memory.pools[1], self.memory.req_to_token) if with_mtp else None

@@ -4,11 +4,13 @@ Full recomputation of one sequence at a time, in float32, with the spec's tier-A
 round-trips (FP8 / FP4 / Hadamard) are left out. Weights are a dict keyed by DeepSeek's native names
 (spec §1.3). It shares no code with kestrel on purpose: it is the oracle the engine's incremental,
 batched, cached implementation is compared against, so loops and masks here favour being obviously
-right over being fast.
+right over being fast. A quantized KV cache is checked by passing the cache's round trip as
+`kv_store` / `index_key_store`: the reference then reads every K=V entry and indexer key as stored.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +51,10 @@ class RefConfig:
     num_hash_layers: int = 1
     routed_scaling_factor: float = 1.5
     swiglu_limit: float = 1.0  # small, so the clamp actually fires on random weights
+    # What the KV cache gives back for stored K=V entries (window keys and compressed entries) and
+    # indexer keys; None: the values themselves.
+    kv_store: Callable[[torch.Tensor], torch.Tensor] | None = None
+    index_key_store: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def native_config(self) -> dict:
         """The same model as a DeepSeek-native `config.json` (REF `ModelArgs` field names)."""
@@ -237,11 +243,15 @@ def compress(x: torch.Tensor, w: dict, prefix: str, ratio: int, c: int, omega: t
     return rope(C, torch.arange(len(entries)) * ratio, omega, cfg.qk_rope_head_dim)
 
 
+def _as_stored(x: torch.Tensor, store: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    return x if store is None or x.shape[0] == 0 else store(x)
+
+
 def indexer_topk(x, c_q, w, prefix, omega, cfg: RefConfig) -> list[list[int]]:
     """§2.6: per query t, the chosen compressed blocks (a list; empty when none is visible)."""
     N = x.shape[0]
     nI, cI = cfg.index_n_heads, cfg.index_head_dim
-    K = compress(x, w, f"{prefix}.compressor", 4, cI, omega, cfg)
+    K = _as_stored(compress(x, w, f"{prefix}.compressor", 4, cI, omega, cfg), cfg.index_key_store)
     q = rope((c_q @ w[f"{prefix}.wq_b.weight"].T).reshape(N, nI, cI), torch.arange(N), omega,
              cfg.qk_rope_head_dim)
     wts = (x @ w[f"{prefix}.weights_proj.weight"].T) * cI ** -0.5 * nI ** -0.5
@@ -268,7 +278,9 @@ def attention(x: torch.Tensor, w: dict, p: str, ratio: int, cfg: RefConfig, trac
     q = rms_norm((c_q @ w[f"{a}.wq_b.weight"].T).reshape(N, H, D), None, cfg.rms_norm_eps)
     q = rope(q, pos, omega, r)
     kv = rope(rms_norm(x @ w[f"{a}.wkv.weight"].T, w[f"{a}.kv_norm.weight"], cfg.rms_norm_eps), pos, omega, r)
+    kv = _as_stored(kv, cfg.kv_store)
     comp = compress(x, w, f"{a}.compressor", ratio, D, omega, cfg) if ratio else x.new_zeros(0, D)
+    comp = _as_stored(comp, cfg.kv_store)
     if ratio == 4:
         chosen = indexer_topk(x, c_q, w, f"{a}.indexer", omega, cfg)
     else:

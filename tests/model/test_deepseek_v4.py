@@ -7,6 +7,8 @@ two correct implementations would pick different blocks; with 16 heads that is 1
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from kestrel.models.deepseek_v4.config import parse_v4_config
 from kestrel.models.deepseek_v4.kv_layout import mtp_kv_layout
 from kestrel.models.deepseek_v4.mhc import hc_pre
 from kestrel.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from kestrel.quant.kv_entries import RopeEntryFP8, ScaledKeyFP8
 from tests.model import dsv4_reference as ref
 from tests.model.dsv4_harness import V4Harness, reference_model
 
@@ -200,18 +203,23 @@ def test_kv_layout_accounting() -> None:
     assert mtp_kv_layout(cfg, torch.float32).bytes_per_token == f32 * D
 
 
-def test_engine_greedy_equals_the_reference(weights, tmp_path) -> None:
-    """Through the Engine (KV memory built from the model's layout, pages of 128 chosen by default, prefix
-    caching off):
-    greedy tokens of two prompts of different lengths equal the reference's argmax, recomputed in full."""
+def _checkpoint(cfg: ref.RefConfig, weights: dict[str, torch.Tensor], folder) -> str:
     import json
 
     from safetensors.torch import save_file
 
+    (folder / "config.json").write_text(json.dumps(cfg.native_config()))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
+    return str(folder)
+
+
+def test_engine_greedy_equals_the_reference(weights, tmp_path) -> None:
+    """Through the Engine (KV memory built from the model's layout, pages of 128 chosen by default, prefix
+    caching off):
+    greedy tokens of two prompts of different lengths equal the reference's argmax, recomputed in full."""
     from kestrel import Engine, SamplingParams
 
-    (tmp_path / "config.json").write_text(json.dumps(CFG.native_config()))
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp_path / "model.safetensors"))
+    _checkpoint(CFG, weights, tmp_path)
     prompts = [_ids(130, seed=3), _ids(61, seed=4)]
     params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
     with Engine(model=str(tmp_path), device="cpu", dtype="float32", max_total_tokens=2048,
@@ -223,4 +231,69 @@ def test_engine_greedy_equals_the_reference(weights, tmp_path) -> None:
         seq = list(prompt)
         for _ in range(5):
             seq.append(int(ref.forward(seq, weights, CFG).logits[-1].argmax()))
+        assert out == seq[len(prompt):]
+
+
+# ---- FP8 KV entries (--kv-cache-dtype fp8_e4m3) ---------------------------------------------------------
+# The oracle is the reference reading every K=V entry and indexer key as the FP8 cache gives it back
+# (the codec's round trip, itself checked against the e4m3 bound in tests/unit/test_dsv4_kv_fp8.py).
+# FP8 moves logits by up to ~1.3 on these random weights (scale ~5), so greedy tokens with and without
+# it differ at a few percent of positions: "FP8 = auto" would not be an honest check. The indexer picks
+# every visible block here (index_topk >= blocks): FP8 moves its scores, and a top-k among near-ties
+# would otherwise pick other blocks than the reference, a difference of choice, not of storage.
+CFG_FP8 = dataclasses.replace(CFG, index_topk=80)
+# kestrel's fp32 rope angles differ from the reference's float64 ones by ~1e-6, which flips a few bf16 /
+# e4m3 roundings of stored entries (each up to 1/16 of a value): up to 2.1e-3 seen over 262 positions.
+FP8_ATOL = 5e-3
+
+
+def _stored_as_fp8(cfg: ref.RefConfig) -> ref.RefConfig:
+    entry, key = RopeEntryFP8(cfg.head_dim, cfg.qk_rope_head_dim), ScaledKeyFP8(cfg.index_head_dim)
+    return dataclasses.replace(cfg, kv_store=lambda x: entry.decode(entry.encode(x), x.dtype),
+                               index_key_store=lambda x: key.decode(key.encode(x), x.dtype))
+
+
+def test_fp8_kv_equals_the_reference_reading_fp8_entries(weights) -> None:
+    """Prefill 250, then decode to 262 (ratio-4 blocks and the ratio-128 block at 255 completed by
+    decodes) with packed FP8 pools = the reference over the same stored values; and FP8 does change
+    the logits (far more than the tolerance), so the check is not one that unquantized storage passes."""
+    model = reference_model(CFG_FP8, weights)
+    ids = _ids(262, seed=1)
+    h = V4Harness(model, 1, kv_dtype=torch.float8_e4m3fn)
+    got = torch.cat(h.logits([ids[:250]]) + [h.logits([ids[p:p + 1]])[0] for p in range(250, 262)])
+    torch.testing.assert_close(got, ref.forward(ids, weights, _stored_as_fp8(CFG_FP8)).logits,
+                               atol=FP8_ATOL, rtol=0)
+    assert (got - ref.forward(ids, weights, CFG_FP8).logits).abs().max() > 20 * FP8_ATOL
+
+
+def test_engine_fp8_kv_greedy_and_bytes(weights, tmp_path) -> None:
+    """`--kv-cache-dtype fp8_e4m3` through the Engine: greedy tokens of prompts of 124 and 61 tokens,
+    decoded across ratio-4 boundaries and the ratio-128 boundary (position 127), = the FP8-reading
+    reference's argmax; the KV memory's tensors hold exactly the layout's declared bytes (the packed
+    entries': under a third of the fp32 entries' bytes per token here, ~0.55x bf16's at Flash widths)."""
+    from kestrel import Engine, SamplingParams
+
+    folder = _checkpoint(CFG_FP8, weights, tmp_path)
+    prompts = [_ids(124, seed=3), _ids(61, seed=4)]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    with Engine(model=folder, device="cpu", dtype="float32", max_total_tokens=2048, chunked_prefill_size=100,
+                kv_cache_dtype="fp8_e4m3") as engine:
+        outs = [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling_params=params)]
+        memory = engine.kv_memory
+        assert memory.allocator.available_size() == memory.allocator.size
+        pools = memory.pools[0]
+        layout = pools.layout
+        held = sum(getattr(pools.layer(layer), b.name).nbytes for g in layout.groups for layer in g.layer_ids
+                   for b in g.buffers)
+    num_slots = (memory.allocator.num_pages + 1) * memory.allocator.page_size
+    assert held == num_slots * layout.bytes_per_token + memory.req_to_token.table.shape[0] * layout.bytes_per_request
+    auto = engine.runner.model.kv_layout(torch.float32)
+    # Per token: (82 B entry + 36 B key) / 4 for each ratio-4 layer, 82 B / 128 for the ratio-128 one.
+    assert layout.bytes_per_token == 2 * (82 + 36) / 4 + 82 / 128 == memory.bytes_per_token
+    assert layout.bytes_per_token / auto.bytes_per_token == pytest.approx((82 + 36) / (4 * (64 + 32)), rel=0.01)
+    reference = _stored_as_fp8(CFG_FP8)
+    for prompt, out in zip(prompts, outs):
+        seq = list(prompt)
+        for _ in range(8):
+            seq.append(int(ref.forward(seq, weights, reference).logits[-1].argmax()))
         assert out == seq[len(prompt):]

@@ -27,14 +27,19 @@ def test_spec_estimate_reproduces_the_flash_figure_and_the_slice_arithmetic() ->
     assert spec["bytes_per_token"] == 3 * 716 / 4 + 3 * 584 / 128 + 9 * 128 * 584 / 32768
 
 
-def test_measured_kv_bytes_are_the_layouts_declared_bytes() -> None:
-    """Read off the tensors of a KV memory built from the slice's layout = the layout's own accounting."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_measured_kv_bytes_are_the_layouts_declared_bytes(dtype: torch.dtype) -> None:
+    """Read off the tensors of a KV memory built from the slice's layout = the layout's own accounting,
+    with entries in bf16 and packed FP8 (spec §6's 584 B entries and 132 B indexer keys)."""
     cfg = parse_v4_config(json.loads((SLICE / "config.json").read_text()))
-    layout = v4_kv_layout(cfg, torch.bfloat16)
+    layout = v4_kv_layout(cfg, dtype)
     memory = KVMemory([layout], 1024, 128, 2, 1024, "cpu")
     got = kv_bytes_measured(memory, 300)
     assert got["slots_held"] == 384  # three pages of 128
     assert got["bytes_per_request"] == 384 * layout.bytes_per_token + layout.bytes_per_request
+    entry, key = (584, 132) if dtype == torch.float8_e4m3fn else (1024, 256)
+    assert got["bytes_by_group"]["c4_blocks"] == 384 / 4 * 3 * (entry + key)
+    assert got["bytes_by_group"]["swa"] == 8 * 128 * entry
 
 
 def test_dense_layer_is_full_causal_attention() -> None:

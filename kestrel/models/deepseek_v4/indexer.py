@@ -35,8 +35,7 @@ class Indexer(nn.Module):
         self.compressor(x, positions, backend, layer_id)
         q = self.rope(self.wq_b(c_q).unflatten(-1, (self.heads, self.dim)), positions)
         weights = (self.weights_proj(x).float() * self.weight_scale).to(q.dtype)[:, None, :]  # [T, 1, heads]
-        keys, visible = backend.read_blocks(layer_id, "idx_k", RATIO)  # [B, N, c], [T]
-        keys = keys.to(q.dtype)
+        keys, visible = backend.read_blocks(layer_id, "idx_k", RATIO, q.dtype)  # [B, N, c], [T]
         n = keys.shape[1]
         k = min(self.topk, n)
         chosen = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=x.device)
