@@ -6,6 +6,8 @@ time: their sum against the forward's time shows how much of it the GPU sits idl
 """
 from __future__ import annotations
 
+import cProfile
+import pstats
 import random
 
 import torch
@@ -33,6 +35,15 @@ def main() -> None:
             engine.step()
         print(f"\n=== prompt {n}, forwards (ms): {[round(g, 2) for g in gpu]}")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
+    # The host side of the same prefill: which Python calls the launch time goes to.
+    prompt = random_prompts([400], engine.vocab_size, rng)[0]
+    rid = engine.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(max_new_tokens=1))
+    host = cProfile.Profile()
+    host.enable()
+    while not engine.request(rid).finished:
+        engine.step()
+    host.disable()
+    pstats.Stats(host).sort_stats("tottime").print_stats(25)
     engine.shutdown()
 
 

@@ -28,5 +28,8 @@ def test_fp8_entries_are_the_same_bytes_on_cuda_as_on_cpu() -> None:
     x = (torch.randn(64, 512, generator=gen) * torch.exp2(torch.randint(-10, 10, (64, 1), generator=gen))).bfloat16()
     for codec, values in ((RopeEntryFP8(512, 64), x), (ScaledKeyFP8(128), x[:, :128])):
         on_cpu, on_cuda = codec.encode(values), codec.encode(values.cuda())
-        assert torch.equal(on_cuda.cpu(), on_cpu)
+        differ = (on_cuda.cpu() != on_cpu).nonzero()
+        assert differ.numel() == 0, (f"{type(codec).__name__}: {differ.shape[0]} bytes differ, first at "
+                                     f"{differ[:5].tolist()}: cuda {on_cuda.cpu()[tuple(differ[:5].T)].tolist()} "
+                                     f"cpu {on_cpu[tuple(differ[:5].T)].tolist()}")
         assert torch.equal(codec.decode(on_cuda, torch.bfloat16).cpu(), codec.decode(on_cpu, torch.bfloat16))
