@@ -17,7 +17,9 @@ as stored too, so what a query sees does not depend on how its sequence was cut 
 
 A step is an extend of `extend` tokens after `prefix` already processed ones (decode = extend of 1):
 reads of earlier state happen before this step's writes, so one path serves prefill chunks and decode.
-No layer loops over requests: `dsv4_plan.StepPlan` builds every gather/scatter index once per step, and
+No layer loops over requests: `dsv4_plan.StepPlan` builds every gather/scatter index once per step (from
+the host lengths; a decode step of a CUDA graph, whose batch has none, from the device lengths with
+static sizes: `StepPlan.decode`), and
 the attention gathers each query's keys (its window, then its selected or all visible compressed
 entries) and runs one softmax for all queries and heads, in query tiles that bound its memory.
 A TARGET_VERIFY is such an extend too, so its tree must be a chain (speculative_eagle_topk=1): the
@@ -35,6 +37,7 @@ import torch
 from kestrel.attention.dsv4_plan import NewBlocks, StepPlan, V4Span
 from kestrel.attention.hybrid import HybridBackend
 from kestrel.cache.kv_layout import Indexing
+from kestrel.core.forward_mode import ForwardMode
 
 if TYPE_CHECKING:
     from kestrel.cache.kv_memory import KVPools
@@ -106,18 +109,25 @@ class DSV4Backend:
         return self.plan.spans
 
     def init_forward_metadata(self, batch: "ForwardBatch") -> None:
+        if self._block_ratios is None:
+            self._block_ratios = tuple(sorted({g.ratio for g in self.pools.layout.groups
+                                               if g.indexing is Indexing.BLOCK}))
+        self._out_slots = batch.out_cache_loc
         if batch.prefix_lens_cpu is None or batch.extend_lens_cpu is None:
-            raise ValueError("the dsv4 backend needs the batch's host lengths (it does not run in CUDA graphs)")
+            # A CUDA-graph batch: its lengths are on the device only, so the plan takes the decode
+            # step's static sizes and is built from them by ops the graph captures.
+            if batch.forward_mode is not ForwardMode.DECODE or batch.max_extend != 1:
+                raise ValueError(f"the dsv4 backend runs {batch.forward_mode.value} batches only with their host "
+                                 "lengths (CUDA graphs capture its decode steps alone)")
+            self.plan = StepPlan.decode(batch.req_pool_indices, batch.prefix_lens, self.req_to_token.table,
+                                        self._block_ratios, self.req_to_token.padding_row)
+            return
         rows = batch.req_pool_indices.tolist()
         starts = [0]
         for e in batch.extend_lens_cpu[:-1]:
             starts.append(starts[-1] + e)
         spans = [V4Span(r, p, e, s) for r, p, e, s in zip(rows, batch.prefix_lens_cpu, batch.extend_lens_cpu, starts)]
-        if self._block_ratios is None:
-            self._block_ratios = tuple(sorted({g.ratio for g in self.pools.layout.groups
-                                               if g.indexing is Indexing.BLOCK}))
         self.plan = StepPlan(spans, self.req_to_token.table, self._block_ratios, self.req_to_token.padding_row)
-        self._out_slots = batch.out_cache_loc
         if batch.tree_mask is not None:
             chain = torch.cat([torch.ones(e, e, dtype=torch.bool, device=batch.tree_mask.device).tril().flatten()
                                for e in batch.extend_lens_cpu])

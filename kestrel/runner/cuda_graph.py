@@ -27,8 +27,9 @@ def batch_size_buckets(max_bs: int) -> list[int]:
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, attn_backend, padding_row: int, max_bs: int, device: torch.device,
                  mode: ForwardMode = ForwardMode.DECODE, tokens: int = 1, capture_hidden: tuple[int, ...] = (),
-                 features: tuple[int, torch.dtype] | None = None) -> None:
-        """`features`: (width, dtype) of a draft head's feature input, kept in a static buffer too."""
+                 features: tuple[int, torch.dtype] | None = None, capture: bool = True) -> None:
+        """`features`: (width, dtype) of a draft head's feature input, kept in a static buffer too.
+        `capture=False` keeps the static buffers without capturing (`run_uncaptured`, on any device)."""
         self.model = model
         self.attn_backend = attn_backend
         self.buckets = batch_size_buckets(max_bs)
@@ -52,7 +53,8 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         self.pool = None
-        self._capture_all()
+        if capture:
+            self._capture_all()
 
     def _batch(self, bs: int) -> ForwardBatch:
         t = self.tokens
@@ -102,8 +104,18 @@ class CudaGraphRunner:
 
     def replay(self, batch: ForwardBatch):
         """The ForwardOutput of an eager-built batch that `can_run`."""
-        from kestrel.runner.model_runner import ForwardOutput
+        bucket = self._stage(batch)
+        self.graphs[bucket].replay()
+        return self._output(batch, self.outputs[bucket])
 
+    def run_uncaptured(self, batch: ForwardBatch):
+        """What `replay` computes, run eagerly: the batch staged into the static buffers, padded to its
+        bucket, through the same forward the graph captured (CPU tests of graph-only paths, debugging)."""
+        bucket = self._stage(batch)
+        return self._output(batch, self._run(self._batch(bucket)))
+
+    def _stage(self, batch: ForwardBatch) -> int:
+        """Copy the batch into the static buffers, pad them to its bucket; the bucket."""
         bs, t = batch.batch_size, self.tokens
         n = bs * t
         bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
@@ -124,7 +136,13 @@ class CudaGraphRunner:
             self.req_pool_indices[bs:bucket].fill_(self.padding_row)
             self.seq_lens[bs:bucket].fill_(t)
             self.prefix_lens[bs:bucket].zero_()
-        self.graphs[bucket].replay()
-        logits, hidden, captured = self.outputs[bucket]
+        return bucket
+
+    @staticmethod
+    def _output(batch: ForwardBatch, outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]):
+        from kestrel.runner.model_runner import ForwardOutput
+
+        n = batch.input_ids.shape[0]
+        logits, hidden, captured = outputs
         # Every row is a logits row (one token per request, or all of a verify's): hidden is per token.
         return ForwardOutput(logits[:n], hidden[:n], captured[:n] if captured is not None else None, hidden[:n])
