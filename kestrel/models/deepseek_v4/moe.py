@@ -29,6 +29,11 @@ def expert_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
+def capturing(x: torch.Tensor) -> bool:
+    """Whether this forward is being captured into a CUDA graph (then no op may read the device on the host)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class Gate(nn.Module):
     """`weight` [E, d]; `bias` (learned routing) or the `tid2eid` table [vocab, k] (hash routing)."""
 
@@ -90,7 +95,7 @@ class V4MoE(nn.Module):
         out = swiglu(x, sh.w1.weight, sh.w3.weight, sh.w2.weight, self.limit).float()
         split = self.parallel.ep_size > 1
         routed = torch.zeros_like(out) if split else out  # one rank: the routed sum goes straight into out
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if capturing(x):
             self.add_routed_every_expert(x, ids, weights, routed)
         else:
             self.add_routed_hit_experts(x, ids, weights, routed)
