@@ -19,7 +19,7 @@ A step is an extend of `extend` tokens after `prefix` already processed ones (de
 reads of earlier state happen before this step's writes, so one path serves prefill chunks and decode.
 No layer loops over requests: `dsv4_plan.StepPlan` builds every gather/scatter index once per step (from
 the host lengths; a decode step of a CUDA graph, whose batch has none, from the device lengths with
-static sizes: `StepPlan.decode`), and
+static sizes: `StepPlan.decode`, for sequences up to `graph_max_seq_len`), and
 the attention gathers each query's keys (its window, then its selected or all visible compressed
 entries) and runs one softmax for all queries and heads, in query tiles that bound its memory.
 A TARGET_VERIFY is such an extend too, so its tree must be a chain (speculative_eagle_topk=1): the
@@ -49,6 +49,11 @@ __all__ = ["DSV4Backend", "V4Span", "WindowKeys", "dsv4_backend"]
 # Bytes a query tile's gathered keys and fp32 logits may take: bounds a prefill chunk's working set
 # (a 32k-context ratio-4 query gathers 640 keys of 1 KiB) without splitting a decode batch.
 TILE_BYTES = 512 * 2**20
+
+# The longest sequence a captured decode step serves: its static plan scans this many positions' blocks
+# (the indexer's keys and scores, the ratio-128 entries) for every request of its bucket, whatever the
+# live lengths, so it bounds the graphs' memory and time; longer decodes run eagerly (module docstring).
+GRAPH_MAX_CONTEXT = 65536
 
 
 _FP32_OUT: dict[str, bool] = {}
@@ -103,6 +108,8 @@ class DSV4Backend:
         self.req_to_token = req_to_token
         self.plan: StepPlan | None = None
         self._block_ratios: tuple[int, ...] | None = None  # the layout's, read on the first step
+        # Positions a captured decode step's block tables cover (`CudaGraphRunner.can_run` reads it).
+        self.graph_max_seq_len = min(req_to_token.table.shape[1], GRAPH_MAX_CONTEXT)
 
     @property
     def spans(self) -> list[V4Span]:
@@ -120,7 +127,7 @@ class DSV4Backend:
                 raise ValueError(f"the dsv4 backend runs {batch.forward_mode.value} batches only with their host "
                                  "lengths (CUDA graphs capture its decode steps alone)")
             self.plan = StepPlan.decode(batch.req_pool_indices, batch.prefix_lens, self.req_to_token.table,
-                                        self._block_ratios, self.req_to_token.padding_row)
+                                        self._block_ratios, self.req_to_token.padding_row, self.graph_max_seq_len)
             return
         rows = batch.req_pool_indices.tolist()
         starts = [0]

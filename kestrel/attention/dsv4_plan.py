@@ -12,8 +12,8 @@ its parts sized exactly), or for a decode step from the device lengths alone (`S
 "static sizes" a CUDA graph replays). A decode adds one token per request, so its sizes follow from the
 batch size and the table width: per ratio one completed-block entry per request (a request that
 completes none writes it to BLOCK slot 0, the reserved page's, which no request reads), block tables as
-wide as the longest sequence `req_to_token` can hold (masked past each request's blocks), and tiles
-from the batch size. No part then reads a device value on the host.
+wide as the longest sequence the step may hold (masked past each request's blocks), and tiles from the
+batch size. No part then reads a device value on the host.
 """
 from __future__ import annotations
 
@@ -90,11 +90,11 @@ class StepPlan:
 
     @classmethod
     def decode(cls, rows: torch.Tensor, prefix: torch.Tensor, table: torch.Tensor, block_ratios: tuple[int, ...],
-               padding_row: int) -> "StepPlan":
+               padding_row: int, max_seq_len: int) -> "StepPlan":
         """The plan of a decode step (one new token per request) from its device rows and prefix lengths
         [B], with static sizes (module docstring): B completed-block entries per ratio, block tables of
-        `table.shape[1] // ratio` columns. No host read: a CUDA graph captures it and every replay
-        rebuilds it from the refreshed inputs."""
+        `max_seq_len // ratio` columns (no request may be longer after the step). No host read: a CUDA
+        graph captures it and every replay rebuilds it from the refreshed inputs."""
         plan = cls.__new__(cls)
         plan.spans = None
         plan.table, plan.padding_row, plan.device = table, padding_row, table.device
@@ -107,7 +107,7 @@ class StepPlan:
         plan.tok_pos = prefix
         # The token at `prefix` completes block prefix // ratio when it is that block's last.
         plan._pairs = {ratio: (plan.tok_req, prefix // ratio, (prefix + 1) % ratio == 0) for ratio in block_ratios}
-        plan._block_width = {ratio: table.shape[1] // ratio for ratio in block_ratios}
+        plan._block_width = {ratio: max_seq_len // ratio for ratio in block_ratios}
         plan._cache = {}
         return plan
 

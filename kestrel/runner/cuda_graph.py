@@ -27,9 +27,12 @@ def batch_size_buckets(max_bs: int) -> list[int]:
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, attn_backend, padding_row: int, max_bs: int, device: torch.device,
                  mode: ForwardMode = ForwardMode.DECODE, tokens: int = 1, capture_hidden: tuple[int, ...] = (),
-                 features: tuple[int, torch.dtype] | None = None, capture: bool = True) -> None:
+                 features: tuple[int, torch.dtype] | None = None, capture: bool = True,
+                 max_seq_len: int | None = None) -> None:
         """`features`: (width, dtype) of a draft head's feature input, kept in a static buffer too.
-        `capture=False` keeps the static buffers without capturing (`run_uncaptured`, on any device)."""
+        `capture=False` keeps the static buffers without capturing (`run_uncaptured`, on any device).
+        `max_seq_len`: the longest sequence the graphs serve (a backend whose captured work is sized by
+        it, as dsv4's); a batch with a longer one runs eagerly."""
         self.model = model
         self.attn_backend = attn_backend
         self.buckets = batch_size_buckets(max_bs)
@@ -50,6 +53,7 @@ class CudaGraphRunner:
         self.logits_indices = torch.arange(n, device=device)
         self.features = None if features is None else torch.zeros(n, features[0], dtype=features[1], device=device)
         self.padding_row = padding_row
+        self.max_seq_len = max_seq_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         self.pool = None
@@ -100,7 +104,9 @@ class CudaGraphRunner:
                 and batch.capture_hidden == self.capture_hidden
                 and (batch.spec_features is None) == (self.features is None)
                 and batch.logits_indices.shape[0] == n
-                and (batch.extend_lens_cpu is None or all(e == t for e in batch.extend_lens_cpu)))
+                and (batch.extend_lens_cpu is None or all(e == t for e in batch.extend_lens_cpu))
+                and (self.max_seq_len is None or batch.seq_lens_cpu is None
+                     or max(batch.seq_lens_cpu) <= self.max_seq_len))
 
     def replay(self, batch: ForwardBatch):
         """The ForwardOutput of an eager-built batch that `can_run`."""

@@ -106,9 +106,11 @@ class ModelRunner:
         head's feature input."""
         if not (self._graphs_on if mode is ForwardMode.DECODE else self._spec_graphs_on):
             return
+        # A backend whose captured work is sized by the longest sequence (dsv4) says how long it serves.
+        max_seq_len = getattr(self.attn_backend, "graph_max_seq_len", None)
         self.cuda_graphs[(mode, tokens_per_request)] = CudaGraphRunner(
             self.model, self.attn_backend, self.req_to_token.padding_row, self.graph_max_bs, self.device, mode,
-            tokens_per_request, capture_hidden, features)
+            tokens_per_request, capture_hidden, features, max_seq_len=max_seq_len)
 
     @property
     def graph_max_bs(self) -> int:

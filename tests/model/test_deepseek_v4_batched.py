@@ -117,7 +117,8 @@ def test_static_decode_plan_equals_eager_decode(model, expected, monkeypatch, kv
     eager.logits([s[:n] for s, n in zip(seqs, lens)])
     static = copy.deepcopy(eager, memo={id(model): model})  # the KV memory and allocator after the prefill
     runner = CudaGraphRunner(model, static.backend, static.memory.req_to_token.padding_row, max_bs=4,
-                             device=torch.device("cpu"), capture=False)
+                             device=torch.device("cpu"), capture=False,
+                             max_seq_len=static.backend.graph_max_seq_len)
     assert runner.buckets == [1, 2, 4]
     monkeypatch.setattr(moe, "capturing", lambda x: True)
 
@@ -128,6 +129,7 @@ def test_static_decode_plan_equals_eager_decode(model, expected, monkeypatch, kv
         chunks = [[seqs[r][lens[r]]] for r in requests]
         want = eager.logits(chunks, requests)
         fb = static.batch(chunks, requests, static.backend)
+        assert runner.can_run(fb)
         # The host-read guard (slow: every op through Python) on the first step, a padded bucket.
         with torch.no_grad(), NoHostReads() if step == 0 else contextlib.nullcontext(), monkeypatch.context() as m:
             m.setattr(torch.Tensor, "tolist", no_tolist)
@@ -139,6 +141,8 @@ def test_static_decode_plan_equals_eager_decode(model, expected, monkeypatch, kv
                 torch.testing.assert_close(got[j], ref_logits[r][lens[r]], atol=ATOL, rtol=0)
             lens[r] += 1
     assert lens[0] > 128 and lens[2] > 128 and lens[1] > 7
+    runner.max_seq_len = max(fb.seq_lens_cpu) - 1  # a longer sequence than the graphs serve: eager
+    assert not runner.can_run(fb)
 
 
 def test_every_expert_moe_equals_hit_expert_loop(model) -> None:
