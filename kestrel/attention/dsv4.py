@@ -108,8 +108,11 @@ class DSV4Backend:
         self.req_to_token = req_to_token
         self.plan: StepPlan | None = None
         self._block_ratios: tuple[int, ...] | None = None  # the layout's, read on the first step
-        # Positions a captured decode step's block tables cover (`CudaGraphRunner.can_run` reads it).
-        self.graph_max_seq_len = min(req_to_token.table.shape[1], GRAPH_MAX_CONTEXT)
+
+    @property
+    def graph_max_seq_len(self) -> int:
+        """Positions a captured decode step's block tables cover (`CudaGraphRunner.can_run` reads it)."""
+        return min(self.req_to_token.table.shape[1], GRAPH_MAX_CONTEXT)
 
     @property
     def spans(self) -> list[V4Span]:
