@@ -10,11 +10,12 @@ Sections (each in its own try: one failure or OOM is reported and the others sti
   both entry formats (`--kv-cache-dtype` picks the one the engine, and so every other section, runs);
 - prefill: one prompt of 8k and of 32k tokens through the Engine, chunked as its default; the time in
   the attention sublayers (CUDA events around each `V4Attention.forward`) against the whole forward;
-- decode: batch 1 and 32 at 8k context through the Engine, synchronised step times (median), eager
-  (the dsv4 backend has no CUDA-graph path);
+- decode: batch 1 and 32 at 8k context through the Engine, synchronised step times (median), with the
+  engine's decode CUDA graphs and eager (the same requests, the graphs set aside), on CUDA;
 - layers: one window-only, one ratio-4 and one ratio-128 attention layer at 32k context (decode at
   batch 1 and 32, and the last 8k prefill chunk) against a dense layer of the same width
-  (`kestrel/bench/dsv4_layers.py` says what each side includes);
+  (`kestrel/bench/dsv4_layers.py` says what each side includes), eager; on CUDA the decode cases also
+  with each side's forward captured once in a CUDA graph and replayed (like with like for the goal);
 - prefill_dense: the dense layer at every chunk of the 32k prefill, so the slice with dense attention
   is measured layer by layer: its prefill = ours - our attention sublayers + layers x dense sublayers.
 A table of every figure, its goal and pass/fail is printed last.
@@ -37,7 +38,7 @@ import torch
 from kestrel import Engine, SamplingParams
 from kestrel.bench.common import now, random_prompts
 from kestrel.bench.dsv4_kv import kv_bytes
-from kestrel.bench.dsv4_layers import LayerContext, dense_layer_ms, v4_layer_ms
+from kestrel.bench.dsv4_layers import LayerContext, dense_layer_ms, v4_layer_graph_ms, v4_layer_ms
 
 SLICE = str(Path(__file__).resolve().parents[1] / "kestrel/assets/configs/deepseek-v4-flash-slice")
 FULL = dict(device="cuda", dtype="bfloat16", prefill_lens=[8192, 32768], decode_ctx=8192, decode_batches=[1, 32],
@@ -131,8 +132,11 @@ def prefill(engine, lengths: list[int], attn: AttentionTimer, deadline: float) -
 
 
 def decode(engine, context: int, batch: int, iters: int) -> dict:
+    """Per way of running a decode step ("graphs": the engine's captured decode graphs, when it has them;
+    "eager": the same requests with the graphs set aside), the median of `iters` engine steps."""
     device = engine.device
-    params = SamplingParams(max_new_tokens=batch + iters + 16, temperature=0.0, ignore_eos=True)
+    graphs = dict(engine.runner.cuda_graphs)
+    params = SamplingParams(max_new_tokens=batch + 2 * iters + 16, temperature=0.0, ignore_eos=True)
     prompts = random_prompts([context] * batch, engine.vocab_size, random.Random(batch))
     rids = [engine.add_request(prompt_token_ids=p, sampling_params=params) for p in prompts]
     try:
@@ -141,20 +145,27 @@ def decode(engine, context: int, batch: int, iters: int) -> dict:
         for _ in range(2):
             engine.step()
         running = len(engine.scheduler.running)
-        engine.runner.forward_events = [] if device.type == "cuda" else None
-        walls = []
-        for _ in range(iters):
-            start = now(device)
-            engine.step()
-            walls.append(now(device) - start)
-        gpu = [s.elapsed_time(e) for s, e in engine.runner.forward_events or []]
+        out = {"batch": batch, "context": context, "running_during_timing": running, "steps_timed": iters}
+        for way in ("graphs", "eager") if graphs else ("eager",):
+            engine.runner.cuda_graphs.clear()
+            engine.runner.cuda_graphs.update(graphs if way == "graphs" else {})
+            engine.step()  # the first step of this way untimed
+            engine.runner.forward_events = [] if device.type == "cuda" else None
+            walls = []
+            for _ in range(iters):
+                start = now(device)
+                engine.step()
+                walls.append(now(device) - start)
+            gpu = [s.elapsed_time(e) for s, e in engine.runner.forward_events or []]
+            engine.runner.forward_events = None
+            step = median(walls)
+            out[way] = {"step_median_ms": step * 1e3, "tok_per_s": batch / step,
+                        "forward_median_ms": median(gpu) if gpu else None}
     finally:
         engine.runner.forward_events = None
+        engine.runner.cuda_graphs.update(graphs)
         _finish(engine, rids)
-    step = median(walls)
-    return {"batch": batch, "context": context, "running_during_timing": running, "steps_timed": iters,
-            "step_median_ms": step * 1e3, "tok_per_s": batch / step,
-            "forward_median_ms": median(gpu) if gpu else None, "cuda_graphs": bool(engine.runner.cuda_graphs)}
+    return out
 
 
 # ---- one layer ------------------------------------------------------------------------------------
@@ -176,7 +187,10 @@ def layers(engine, p: dict, chunk: int) -> dict:
               "first layer of its kind pays on top, once per step.",
         "dense": "the same projections, norms and ropes; K=V written to a contiguous [batch, context, 512] cache; "
                  "torch SDPA over every earlier position (one K=V head, MQA; causal lower-right in prefill); "
-                 "inverse rope; wo_a, wo_b. sdpa_ms: the SDPA call alone; projections_ms: the rest alone."}}
+                 "inverse rope; wo_a, wo_b. sdpa_ms: the SDPA call alone; projections_ms: the rest alone.",
+        "graph": "decode cases on CUDA: each side's forward captured once in a CUDA graph and replayed (CUDA "
+                 "events, median); V4 through the static-sizes decode plan the engine's decode graphs use, "
+                 "its parts built before capture (with_plan_ms: the plan's construction captured too)."}}
     attn_of = {kind: model.layers[cfg.compress_ratios.index(r)].attn for kind, r in KINDS.items()}
     # Mean over the slice's main layers (MTP excluded): what one layer costs on average in a forward.
     mix = {kind: cfg.compress_ratios.count(r) / cfg.num_hidden_layers for kind, r in KINDS.items()}
@@ -190,8 +204,17 @@ def layers(engine, p: dict, chunk: int) -> dict:
             except Exception as e:  # noqa: BLE001 - one layer's failure (e.g. OOM) keeps the others
                 row[kind] = f"failed: {type(e).__name__}: {e}"
                 _free(device)
+        graph = device.type == "cuda" and extend == 1
+        if graph:
+            row["graph"] = {}
+            for kind, attn in attn_of.items():
+                try:
+                    row["graph"][kind] = v4_layer_graph_ms(attn, ctx, batch, prefix, iters)
+                except Exception as e:  # noqa: BLE001
+                    row["graph"][kind] = f"failed: {type(e).__name__}: {e}"
+                    _free(device)
         try:
-            row["dense"] = dense_layer_ms(attn_of["CSA (ratio 4)"], batch, ctx_len, prefix, extend, iters)
+            row["dense"] = dense_layer_ms(attn_of["CSA (ratio 4)"], batch, ctx_len, prefix, extend, iters, graph)
         except Exception as e:  # noqa: BLE001
             row["dense"] = f"failed: {type(e).__name__}: {e}"
         _free(device)
@@ -200,6 +223,10 @@ def layers(engine, p: dict, chunk: int) -> dict:
             if isinstance(row["dense"], dict):
                 row["dense_over_v4_mean"] = row["dense"]["sublayer_ms"] / row["v4_mean_layer_ms"]
                 row["dense_over_v4_by_kind"] = {k: row["dense"]["sublayer_ms"] / row[k] for k in KINDS}
+        g = row.get("graph", {})
+        if all(isinstance(g.get(k), dict) for k in KINDS) and isinstance(row["dense"], dict):
+            g["v4_mean_layer_ms"] = sum(mix[k] * g[k]["layer_ms"] for k in KINDS)
+            g["dense_over_v4_mean"] = row["dense"]["graph_sublayer_ms"] / g["v4_mean_layer_ms"]
         out["cases"][name] = row
         print(name, json.dumps(row, default=str), flush=True)
     out["layer_mix"] = mix
@@ -245,8 +272,10 @@ def goals(res: dict, p: dict) -> list[dict]:
                 f"of forward)", None)
     for key, r in res.items():
         if key.startswith("decode bs") and isinstance(r, dict):
-            add(f"{key} ctx {r['context']} tok/s", round(r["tok_per_s"], 1),
-                "(CUDA graphs)" if r["cuda_graphs"] else "(eager)", None)
+            for way in ("graphs", "eager"):
+                if way in r:
+                    add(f"{key} ctx {r['context']} tok/s, {way}", round(r[way]["tok_per_s"], 1),
+                        f"(step {r[way]['step_median_ms']:.2f} ms)", None)
     lay = res.get("layers")
     if isinstance(lay, dict):
         for name, row in lay["cases"].items():
@@ -258,10 +287,25 @@ def goals(res: dict, p: dict) -> list[dict]:
             if isinstance(row.get("dense"), dict):
                 add(f"{name} ctx {lay['context']} dense ms", round(row["dense"]["sublayer_ms"], 3),
                     f"(SDPA {row['dense']['sdpa_kernel']} {row['dense']['sdpa_ms']:.3f} ms)", None)
+            graph = row.get("graph", {})
+            for kind in KINDS:
+                if isinstance(graph.get(kind), dict):
+                    add(f"{name} ctx {lay['context']} {kind} ms, graph", round(graph[kind]["layer_ms"], 3),
+                        f"(with the plan captured too: {graph[kind]['with_plan_ms']:.3f} ms)", None)
+                elif isinstance(graph.get(kind), str):
+                    add(f"{name} {kind}, graph", "-", graph[kind][:80], False)
+            if isinstance(row.get("dense"), dict) and row["dense"].get("graph_sublayer_ms") is not None:
+                add(f"{name} ctx {lay['context']} dense ms, graph", round(row["dense"]["graph_sublayer_ms"], 3), "", None)
+            # The decode goal compares like with like: both sides from CUDA graphs where they ran.
+            decode_case = name.startswith("decode")
             if "dense_over_v4_mean" in row:
-                decode_case = name.startswith("decode")
-                add(f"{name}: dense / V4 mean layer", round(row["dense_over_v4_mean"], 2),
-                    ">= 4" if decode_case else "", row["dense_over_v4_mean"] >= 4 if decode_case else None)
+                goal = decode_case and "dense_over_v4_mean" not in graph
+                add(f"{name}: dense / V4 mean layer" + (", eager" if decode_case else ""),
+                    round(row["dense_over_v4_mean"], 2), ">= 4" if goal else "",
+                    row["dense_over_v4_mean"] >= 4 if goal else None)
+            if "dense_over_v4_mean" in graph:
+                add(f"{name}: dense / V4 mean layer, graphs", round(graph["dense_over_v4_mean"], 2), ">= 4",
+                    graph["dense_over_v4_mean"] >= 4)
     dense = res.get("prefill_dense")
     if isinstance(dense, dict) and isinstance(pre, dict) and str(dense["length"]) in pre:
         ours = pre[str(dense["length"])]

@@ -17,7 +17,9 @@ as stored too, so what a query sees does not depend on how its sequence was cut 
 
 A step is an extend of `extend` tokens after `prefix` already processed ones (decode = extend of 1):
 reads of earlier state happen before this step's writes, so one path serves prefill chunks and decode.
-No layer loops over requests: `dsv4_plan.StepPlan` builds every gather/scatter index once per step, and
+No layer loops over requests: `dsv4_plan.StepPlan` builds every gather/scatter index once per step (from
+the host lengths; a decode step of a CUDA graph, whose batch has none, from the device lengths with
+static sizes: `StepPlan.decode`, for sequences up to `graph_max_seq_len`), and
 the attention gathers each query's keys (its window, then its selected or all visible compressed
 entries) and runs one softmax for all queries and heads, in query tiles that bound its memory.
 A TARGET_VERIFY is such an extend too, so its tree must be a chain (speculative_eagle_topk=1): the
@@ -35,6 +37,7 @@ import torch
 from kestrel.attention.dsv4_plan import NewBlocks, StepPlan, V4Span
 from kestrel.attention.hybrid import HybridBackend
 from kestrel.cache.kv_layout import Indexing
+from kestrel.core.forward_mode import ForwardMode
 
 if TYPE_CHECKING:
     from kestrel.cache.kv_memory import KVPools
@@ -46,6 +49,11 @@ __all__ = ["DSV4Backend", "V4Span", "WindowKeys", "dsv4_backend"]
 # Bytes a query tile's gathered keys and fp32 logits may take: bounds a prefill chunk's working set
 # (a 32k-context ratio-4 query gathers 640 keys of 1 KiB) without splitting a decode batch.
 TILE_BYTES = 512 * 2**20
+
+# The longest sequence a captured decode step serves: its static plan scans this many positions' blocks
+# (the indexer's keys and scores, the ratio-128 entries) for every request of its bucket, whatever the
+# live lengths, so it bounds the graphs' memory and time; longer decodes run eagerly (module docstring).
+GRAPH_MAX_CONTEXT = 65536
 
 
 _FP32_OUT: dict[str, bool] = {}
@@ -102,22 +110,34 @@ class DSV4Backend:
         self._block_ratios: tuple[int, ...] | None = None  # the layout's, read on the first step
 
     @property
+    def graph_max_seq_len(self) -> int:
+        """Positions a captured decode step's block tables cover (`CudaGraphRunner.can_run` reads it)."""
+        return min(self.req_to_token.table.shape[1], GRAPH_MAX_CONTEXT)
+
+    @property
     def spans(self) -> list[V4Span]:
         return self.plan.spans
 
     def init_forward_metadata(self, batch: "ForwardBatch") -> None:
+        if self._block_ratios is None:
+            self._block_ratios = tuple(sorted({g.ratio for g in self.pools.layout.groups
+                                               if g.indexing is Indexing.BLOCK}))
+        self._out_slots = batch.out_cache_loc
         if batch.prefix_lens_cpu is None or batch.extend_lens_cpu is None:
-            raise ValueError("the dsv4 backend needs the batch's host lengths (it does not run in CUDA graphs)")
+            # A CUDA-graph batch: its lengths are on the device only, so the plan takes the decode
+            # step's static sizes and is built from them by ops the graph captures.
+            if batch.forward_mode is not ForwardMode.DECODE or batch.max_extend != 1:
+                raise ValueError(f"the dsv4 backend runs {batch.forward_mode.value} batches only with their host "
+                                 "lengths (CUDA graphs capture its decode steps alone)")
+            self.plan = StepPlan.decode(batch.req_pool_indices, batch.prefix_lens, self.req_to_token.table,
+                                        self._block_ratios, self.req_to_token.padding_row, self.graph_max_seq_len)
+            return
         rows = batch.req_pool_indices.tolist()
         starts = [0]
         for e in batch.extend_lens_cpu[:-1]:
             starts.append(starts[-1] + e)
         spans = [V4Span(r, p, e, s) for r, p, e, s in zip(rows, batch.prefix_lens_cpu, batch.extend_lens_cpu, starts)]
-        if self._block_ratios is None:
-            self._block_ratios = tuple(sorted({g.ratio for g in self.pools.layout.groups
-                                               if g.indexing is Indexing.BLOCK}))
         self.plan = StepPlan(spans, self.req_to_token.table, self._block_ratios, self.req_to_token.padding_row)
-        self._out_slots = batch.out_cache_loc
         if batch.tree_mask is not None:
             chain = torch.cat([torch.ones(e, e, dtype=torch.bool, device=batch.tree_mask.device).tril().flatten()
                                for e in batch.extend_lens_cpu])

@@ -6,6 +6,14 @@ Tokens are the flat batch (request order). A per-request state read ("old rows")
 the step's own rows into one source, `[old rows of request 0..B-1 ; new rows]`, and indexes it by
 position through `source_index`: every read of a step (window keys, a compressor's candidate rows) is
 then one gather, whatever the mix of decodes, verify chains and prefill chunks.
+
+Two ways to build a plan, one set of parts: from the host lengths (`StepPlan(spans, ...)`: any step,
+its parts sized exactly), or for a decode step from the device lengths alone (`StepPlan.decode`: the
+"static sizes" a CUDA graph replays). A decode adds one token per request, so its sizes follow from the
+batch size and the table width: per ratio one completed-block entry per request (a request that
+completes none writes it to BLOCK slot 0, the reserved page's, which no request reads), block tables as
+wide as the longest sequence the step may hold (masked past each request's blocks), and tiles from the
+batch size. No part then reads a device value on the host.
 """
 from __future__ import annotations
 
@@ -56,7 +64,9 @@ class StepPlan:
         self.padding_row = padding_row
         dev = table.device
         self.device = dev
-        self.num_tokens = sum(s.extend for s in spans)
+        self.num_requests = len(spans)
+        self.extends = [s.extend for s in spans]
+        self.num_tokens = sum(self.extends)
         host = [v for s in spans for v in (s.row, s.prefix, s.extend, s.start)]
         counts = [4 * len(spans)]
         for ratio in block_ratios:
@@ -70,11 +80,36 @@ class StepPlan:
         rows, prefix, extend, start = parts[0].view(-1, 4).unbind(1)
         self.rows, self.prefix, self.start = rows, prefix, start
         self.seq = prefix + extend
-        self._pairs = {ratio: p.view(-1, 2) for ratio, p in zip(block_ratios, parts[1:])}
+        # Per ratio: (request, block index, whether it is a real block: None = all are).
+        self._pairs = {ratio: (*p.view(-1, 2).unbind(1), None) for ratio, p in zip(block_ratios, parts[1:])}
+        self._block_width = {ratio: max((s.seq // ratio for s in spans), default=0) for ratio in block_ratios}
         self.tok_req = torch.repeat_interleave(torch.arange(len(spans), device=dev), extend,
                                                output_size=self.num_tokens)
         self.tok_pos = prefix[self.tok_req] + torch.arange(self.num_tokens, device=dev) - start[self.tok_req]
         self._cache: dict[tuple, object] = {}
+
+    @classmethod
+    def decode(cls, rows: torch.Tensor, prefix: torch.Tensor, table: torch.Tensor, block_ratios: tuple[int, ...],
+               padding_row: int, max_seq_len: int) -> "StepPlan":
+        """The plan of a decode step (one new token per request) from its device rows and prefix lengths
+        [B], with static sizes (module docstring): B completed-block entries per ratio, block tables of
+        `max_seq_len // ratio` columns (no request may be longer after the step). No host read: a CUDA
+        graph captures it and every replay rebuilds it from the refreshed inputs."""
+        plan = cls.__new__(cls)
+        plan.spans = None
+        plan.table, plan.padding_row, plan.device = table, padding_row, table.device
+        B = rows.shape[0]
+        plan.num_requests = plan.num_tokens = B
+        plan.extends = [1] * B
+        plan.rows, plan.prefix = rows, prefix
+        plan.start = plan.tok_req = torch.arange(B, device=table.device)
+        plan.seq = prefix + 1
+        plan.tok_pos = prefix
+        # The token at `prefix` completes block prefix // ratio when it is that block's last.
+        plan._pairs = {ratio: (plan.tok_req, prefix // ratio, (prefix + 1) % ratio == 0) for ratio in block_ratios}
+        plan._block_width = {ratio: max_seq_len // ratio for ratio in block_ratios}
+        plan._cache = {}
+        return plan
 
     def _cached(self, key: tuple, build):
         if key not in self._cache:
@@ -95,7 +130,7 @@ class StepPlan:
         """Index into [old rows (B x length) ; new rows (T)] of request `req`'s position `pos` (same
         shapes), which must lie in [prefix - length, seq) of that request."""
         prefix = self.prefix[req]
-        return torch.where(pos >= prefix, len(self.spans) * length + self.start[req] + pos - prefix,
+        return torch.where(pos >= prefix, self.num_requests * length + self.start[req] + pos - prefix,
                            req * length + pos - prefix + length)
 
     def window(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,9 +156,10 @@ class StepPlan:
     def new_blocks(self, ratio: int, overlap: bool) -> NewBlocks:
         """Blocks [prefix // ratio, seq // ratio) of each request; their rows come from a source with
         `ratio * (1 + overlap) - 1` old rows per request (enough for the block holding `prefix` and,
-        with overlap, the one before it)."""
+        with overlap, the one before it). A decode plan's entries that complete no block read row 0 of
+        the source and are stored at BLOCK slot 0."""
         def build():
-            req, index = self._pairs[ratio].unbind(1)
+            req, index, real = self._pairs[ratio]
             length = ratio * (1 + int(overlap)) - 1
             offsets = torch.arange(ratio, device=self.device)[None, :]
             own_pos = index[:, None] * ratio + offsets
@@ -135,14 +171,19 @@ class StepPlan:
                 prev = self.source_index(req[:, None].expand_as(prev_pos), prev_pos, length)
                 prev = prev.masked_fill(~has_prev[:, None], 0)
             slots = self.table[self.rows[req], index * ratio] // ratio
+            if real is not None:
+                own = own.masked_fill(~real[:, None], 0)
+                prev = None if prev is None else prev.masked_fill(~real[:, None], 0)
+                slots = slots.masked_fill(~real, 0)
             return NewBlocks(own, prev, has_prev, index * ratio, slots)
         return self._cached(("new", ratio, overlap), build)
 
     def blocks(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(BLOCK slots [B, N] of each request's complete blocks after this step, padded to the most any
-        request has; per token the number of blocks it sees, [T]: block i is visible from its last token)."""
+        request has (a decode plan: to its static width); per token the number of blocks it sees, [T]:
+        block i is visible from its last token)."""
         def build():
-            n = max((s.seq // ratio for s in self.spans), default=0)
+            n = self._block_width[ratio]
             cols = (torch.arange(n, device=self.device) * ratio).clamp(max=self.table.shape[1] - 1)
             slots = self.table[self.rows[:, None], cols[None, :]] // ratio
             return slots, (self.tok_pos + 1) // ratio
@@ -166,24 +207,26 @@ class StepPlan:
     def one_token_each(self, r0: int, r1: int) -> bool:
         """Whether requests r0..r1-1 each have exactly one token in this step (a tile of decodes, whose
         per-request tensors then line up with its tokens without a gather)."""
-        return all(s.extend == 1 for s in self.spans[r0:r1])
+        return all(e == 1 for e in self.extends[r0:r1])
 
     def _pack(self, limit: int) -> list[tuple[int, int, int, int]]:
         tiles: list[tuple[int, int, int, int]] = []
         open_tile: list[int] | None = None  # [a, b, r0, r1] of the tile still taking whole requests
-        for r, s in enumerate(self.spans):
-            if open_tile is not None and open_tile[1] - open_tile[0] + s.extend <= limit:
-                open_tile[1] += s.extend
+        start = 0
+        for r, extend in enumerate(self.extends):
+            if open_tile is not None and open_tile[1] - open_tile[0] + extend <= limit:
+                open_tile[1] += extend
                 open_tile[3] = r + 1
-                continue
-            if open_tile is not None:
-                tiles.append(tuple(open_tile))
-                open_tile = None
-            if s.extend <= limit:
-                open_tile = [s.start, s.start + s.extend, r, r + 1]
             else:
-                tiles += [(a, min(a + limit, s.start + s.extend), r, r + 1)
-                          for a in range(s.start, s.start + s.extend, limit)]
+                if open_tile is not None:
+                    tiles.append(tuple(open_tile))
+                    open_tile = None
+                if extend <= limit:
+                    open_tile = [start, start + extend, r, r + 1]
+                else:
+                    tiles += [(a, min(a + limit, start + extend), r, r + 1)
+                              for a in range(start, start + extend, limit)]
+            start += extend
         if open_tile is not None:
             tiles.append(tuple(open_tile))
         return tiles

@@ -39,6 +39,8 @@ class BackendEntry:
     triton_kernels: bool = False  # runs Triton kernels, so shared Triton kernels may run beside it
     library: tuple[str, str] | None = None  # (package, minimum version) the backend needs
     cuda_graph: bool = False  # its decode path can be captured (no host reads of per-batch values)
+    # Its speculative forwards (verify, draft extend, the draft's decode lanes) can be captured too.
+    cuda_graph_spec: bool = True
     serves: frozenset[str] = field(default_factory=lambda: frozenset({"prefill", "decode"}))
     dsv4: bool = False  # serves DeepSeek-V4's window + compressed sparse attention, and only that
     # What it can serve for a draft model (kestrel.spec.draft_backends): "decode", the multi-step draft
@@ -98,8 +100,9 @@ def _sdpa(pools, req_to_token, config):
 
 
 # Chunked prefill works (a step resumes from the per-request state); radix reuse does not, which the
-# model's KV layout says (`prefix_cache_unsupported`). Per-batch host lengths: no CUDA graphs.
-@register("dsv4", unavailable=lambda config: None, dsv4=True)
+# model's KV layout says (`prefix_cache_unsupported`). CUDA graphs: DECODE steps only (a plan with static
+# sizes, `StepPlan.decode`); every other mode builds its plan from the host lengths and runs eagerly.
+@register("dsv4", unavailable=lambda config: None, dsv4=True, cuda_graph=True, cuda_graph_spec=False)
 def _dsv4(pools, req_to_token, config):
     from kestrel.attention.dsv4 import DSV4Backend
 

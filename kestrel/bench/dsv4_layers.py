@@ -72,8 +72,9 @@ class LayerContext:
             self.rows.append(row)
         self.device = device
 
-    def step(self, batch: int, prefix: int, extend: int) -> ForwardBatch:
-        """The step of the first `batch` requests that processes positions [prefix, prefix + extend)."""
+    def step(self, batch: int, prefix: int, extend: int, host_lengths: bool = True) -> ForwardBatch:
+        """The step of the first `batch` requests that processes positions [prefix, prefix + extend);
+        without `host_lengths`, a decode step as a CUDA graph sees it (lengths on the device only)."""
         rows = self.rows[:batch]
         table = self.memory.req_to_token.table
         dev = self.device
@@ -85,7 +86,9 @@ class LayerContext:
             out_cache_loc=table[rows, prefix:seq].flatten(),
             req_pool_indices=torch.tensor(rows, device=dev), seq_lens=torch.full((batch,), seq, device=dev),
             prefix_lens=torch.full((batch,), prefix, device=dev), extend_lens=torch.full((batch,), extend, device=dev),
-            seq_lens_cpu=[seq] * batch, prefix_lens_cpu=[prefix] * batch, extend_lens_cpu=[extend] * batch,
+            seq_lens_cpu=[seq] * batch if host_lengths else None,
+            prefix_lens_cpu=[prefix] * batch if host_lengths else None,
+            extend_lens_cpu=[extend] * batch if host_lengths else None,
             max_extend=extend, logits_indices=torch.arange(1, batch + 1, device=dev) * extend - 1,
             attn_backend=self.backend)
 
@@ -109,6 +112,38 @@ def v4_layer_ms(attn: torch.nn.Module, ctx: LayerContext, batch: int, prefix: in
 
     with torch.inference_mode():
         return timed_ms(lambda: attn(x, fb.positions, fb), ctx.device, iters, before=before)
+
+
+def graph_ms(fn: Callable[[], object], device: torch.device, iters: int) -> list[float]:
+    """fn captured once in a CUDA graph (after two eager warm-up calls), its replays timed as `timed_ms`."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return timed_ms(graph.replay, device, iters)
+
+
+def v4_layer_graph_ms(attn: torch.nn.Module, ctx: LayerContext, batch: int, prefix: int,
+                      iters: int) -> dict[str, float]:
+    """`V4Attention.forward` for one decode step as the engine's decode graph runs it: the static-sizes
+    plan (`StepPlan.decode`, from device lengths), replayed from a CUDA graph. `layer_ms`: the layer
+    with the plan's parts already built (by an earlier layer of the step); `with_plan_ms`: the plan's
+    construction and the layer in one graph (what the first layer of its kind costs)."""
+    fb = ctx.step(batch, prefix, 1, host_lengths=False)
+    gen = torch.Generator(ctx.device).manual_seed(0)
+    x = torch.randn(batch, attn.wq_a.in_features, generator=gen, device=ctx.device, dtype=attn.wq_a.weight.dtype)
+
+    def with_plan() -> None:
+        ctx.backend.init_forward_metadata(fb)
+        attn(x, fb.positions, fb)
+
+    with torch.inference_mode():
+        fresh = median(graph_ms(with_plan, ctx.device, iters))
+        with_plan()  # the parts the layer needs, built once outside the graph below
+        built = median(graph_ms(lambda: attn(x, fb.positions, fb), ctx.device, iters))
+    return {"layer_ms": built, "with_plan_ms": fresh}
 
 
 # ---- the dense layer --------------------------------------------------------------------------------
@@ -214,10 +249,10 @@ class DenseLayer:
 
 
 def dense_layer_ms(attn: torch.nn.Module, batch: int, context: int, prefix: int, extend: int,
-                   iters: int) -> dict[str, object]:
+                   iters: int, graph: bool = False) -> dict[str, object]:
     """The dense layer's step at [prefix, prefix + extend): sublayer ms, SDPA-only ms (the fastest
     kernel), the shared projections alone (q path, K=V path, output; no attention), what each SDPA
-    kernel did."""
+    kernel did; with `graph` (CUDA), also the sublayer replayed from a CUDA graph (`graph_sublayer_ms`)."""
     device = attn.wq_a.weight.device
     dense = DenseLayer(attn, batch, context, device)
     gen = torch.Generator(device).manual_seed(0)
@@ -228,5 +263,6 @@ def dense_layer_ms(attn: torch.nn.Module, batch: int, context: int, prefix: int,
         core, tried = dense.pick_kernel(q, prefix, extend, iters)
         sublayer = timed_ms(lambda: dense.forward(x, positions, prefix, extend), device, iters)
         projections = timed_ms(lambda: dense.output(dense.projections(x, positions)[0], positions), device, iters)
+        graphed = median(graph_ms(lambda: dense.forward(x, positions, prefix, extend), device, iters)) if graph else None
     return {"sublayer_ms": median(sublayer), "sdpa_ms": core, "projections_ms": median(projections),
-            "sdpa_kernel": dense.kernel[0], "sdpa_kernels_tried": tried}
+            "sdpa_kernel": dense.kernel[0], "sdpa_kernels_tried": tried, "graph_sublayer_ms": graphed}

@@ -27,8 +27,12 @@ def batch_size_buckets(max_bs: int) -> list[int]:
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, attn_backend, padding_row: int, max_bs: int, device: torch.device,
                  mode: ForwardMode = ForwardMode.DECODE, tokens: int = 1, capture_hidden: tuple[int, ...] = (),
-                 features: tuple[int, torch.dtype] | None = None) -> None:
-        """`features`: (width, dtype) of a draft head's feature input, kept in a static buffer too."""
+                 features: tuple[int, torch.dtype] | None = None, capture: bool = True,
+                 max_seq_len: int | None = None) -> None:
+        """`features`: (width, dtype) of a draft head's feature input, kept in a static buffer too.
+        `capture=False` keeps the static buffers without capturing (`run_uncaptured`, on any device).
+        `max_seq_len`: the longest sequence the graphs serve (a backend whose captured work is sized by
+        it, as dsv4's); a batch with a longer one runs eagerly."""
         self.model = model
         self.attn_backend = attn_backend
         self.buckets = batch_size_buckets(max_bs)
@@ -49,10 +53,12 @@ class CudaGraphRunner:
         self.logits_indices = torch.arange(n, device=device)
         self.features = None if features is None else torch.zeros(n, features[0], dtype=features[1], device=device)
         self.padding_row = padding_row
+        self.max_seq_len = max_seq_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         self.pool = None
-        self._capture_all()
+        if capture:
+            self._capture_all()
 
     def _batch(self, bs: int) -> ForwardBatch:
         t = self.tokens
@@ -98,12 +104,24 @@ class CudaGraphRunner:
                 and batch.capture_hidden == self.capture_hidden
                 and (batch.spec_features is None) == (self.features is None)
                 and batch.logits_indices.shape[0] == n
-                and (batch.extend_lens_cpu is None or all(e == t for e in batch.extend_lens_cpu)))
+                and (batch.extend_lens_cpu is None or all(e == t for e in batch.extend_lens_cpu))
+                and (self.max_seq_len is None or batch.seq_lens_cpu is None
+                     or max(batch.seq_lens_cpu) <= self.max_seq_len))
 
     def replay(self, batch: ForwardBatch):
         """The ForwardOutput of an eager-built batch that `can_run`."""
-        from kestrel.runner.model_runner import ForwardOutput
+        bucket = self._stage(batch)
+        self.graphs[bucket].replay()
+        return self._output(batch, self.outputs[bucket])
 
+    def run_uncaptured(self, batch: ForwardBatch):
+        """What `replay` computes, run eagerly: the batch staged into the static buffers, padded to its
+        bucket, through the same forward the graph captured (CPU tests of graph-only paths, debugging)."""
+        bucket = self._stage(batch)
+        return self._output(batch, self._run(self._batch(bucket)))
+
+    def _stage(self, batch: ForwardBatch) -> int:
+        """Copy the batch into the static buffers, pad them to its bucket; the bucket."""
         bs, t = batch.batch_size, self.tokens
         n = bs * t
         bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
@@ -124,7 +142,13 @@ class CudaGraphRunner:
             self.req_pool_indices[bs:bucket].fill_(self.padding_row)
             self.seq_lens[bs:bucket].fill_(t)
             self.prefix_lens[bs:bucket].zero_()
-        self.graphs[bucket].replay()
-        logits, hidden, captured = self.outputs[bucket]
+        return bucket
+
+    @staticmethod
+    def _output(batch: ForwardBatch, outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]):
+        from kestrel.runner.model_runner import ForwardOutput
+
+        n = batch.input_ids.shape[0]
+        logits, hidden, captured = outputs
         # Every row is a logits row (one token per request, or all of a verify's): hidden is per token.
         return ForwardOutput(logits[:n], hidden[:n], captured[:n] if captured is not None else None, hidden[:n])

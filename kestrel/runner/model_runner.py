@@ -74,8 +74,10 @@ class ModelRunner:
         # Set to a list to time every forward on the GPU: (start, end) CUDA events are appended (benchmarks).
         self.forward_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
         self.cuda_graphs: dict[tuple[ForwardMode, int], CudaGraphRunner] = {}
-        graph_ok = all(REGISTRY[name].cuda_graph for name in cuda_graph_backends(config))
-        self._graphs_on = self.device.type == "cuda" and not config.cuda_graph.disable_cuda_graph and graph_ok
+        graph_backends = [REGISTRY[name] for name in cuda_graph_backends(config)]
+        self._graphs_on = (self.device.type == "cuda" and not config.cuda_graph.disable_cuda_graph
+                           and all(b.cuda_graph for b in graph_backends))
+        self._spec_graphs_on = self._graphs_on and all(b.cuda_graph_spec for b in graph_backends)
         if attn_backend is None:
             self.capture_graphs(ForwardMode.DECODE, 1)
 
@@ -91,16 +93,24 @@ class ModelRunner:
     def graphs_on(self) -> bool:
         return self._graphs_on
 
+    @property
+    def spec_graphs_on(self) -> bool:
+        """Whether a speculative round's forwards (verify, draft extend) are captured too."""
+        return self._spec_graphs_on
+
     def capture_graphs(self, mode: ForwardMode, tokens_per_request: int, capture_hidden: tuple[int, ...] = (),
                        features: tuple[int, torch.dtype] | None = None) -> None:
         """Capture CUDA graphs for batches of `mode` with this many new tokens per request (a verify
-        step's tree size), for every batch-size bucket; a no-op where graphs are off. `features`: the
-        (width, dtype) of a draft head's feature input."""
-        if not self._graphs_on:
+        step's tree size), for every batch-size bucket; a no-op where graphs are off (for any mode but
+        DECODE: where the backends capture only decode steps). `features`: the (width, dtype) of a draft
+        head's feature input."""
+        if not (self._graphs_on if mode is ForwardMode.DECODE else self._spec_graphs_on):
             return
+        # A backend whose captured work is sized by the longest sequence (dsv4) says how long it serves.
+        max_seq_len = getattr(self.attn_backend, "graph_max_seq_len", None)
         self.cuda_graphs[(mode, tokens_per_request)] = CudaGraphRunner(
             self.model, self.attn_backend, self.req_to_token.padding_row, self.graph_max_bs, self.device, mode,
-            tokens_per_request, capture_hidden, features)
+            tokens_per_request, capture_hidden, features, max_seq_len=max_seq_len)
 
     @property
     def graph_max_bs(self) -> int:

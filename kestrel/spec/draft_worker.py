@@ -70,7 +70,8 @@ class DraftWorker:
         self.lanes = DraftLanes(self.runner, decode_backends, lane_table, memory.req_to_token, self.topk,
                                 self.num_draft, self.context_length, memory.scratch_base, first_level)
         self.greedy_graphs: BucketGraphs | None = None
-        if target.graphs_on and all(REGISTRY[b.name].cuda_graph for b in decode_backends):
+        if target.spec_graphs_on and all(REGISTRY[b.name].cuda_graph and REGISTRY[b.name].cuda_graph_spec
+                                         for b in decode_backends):
             target.capture_graphs(ForwardMode.TARGET_VERIFY, self.num_draft, draft.target_capture)
             self.runner.capture_graphs(ForwardMode.DRAFT_EXTEND, self.extend_tokens, features=feature)
             self.lanes.capture_graphs(target.graph_max_bs)

@@ -29,6 +29,11 @@ def expert_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
+def capturing(x: torch.Tensor) -> bool:
+    """Whether this forward is being captured into a CUDA graph (then no op may read the device on the host)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class Gate(nn.Module):
     """`weight` [E, d]; `bias` (learned routing) or the `tid2eid` table [vocab, k] (hash routing)."""
 
@@ -88,11 +93,22 @@ class V4MoE(nn.Module):
         ids, weights = self.gate(x, input_ids)
         sh = self.shared_experts
         out = swiglu(x, sh.w1.weight, sh.w3.weight, sh.w2.weight, self.limit).float()
-        experts = self.experts
         split = self.parallel.ep_size > 1
         routed = torch.zeros_like(out) if split else out  # one rank: the routed sum goes straight into out
+        if capturing(x):
+            self.add_routed_every_expert(x, ids, weights, routed)
+        else:
+            self.add_routed_hit_experts(x, ids, weights, routed)
+        if split:
+            out = out + self.parallel.all_reduce(routed)
+        return out.to(x.dtype)
+
+    def add_routed_hit_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                               routed: torch.Tensor) -> None:
+        """routed [T, d] f32 += this rank's routed experts' weighted outputs: a token-by-expert loop over
+        the experts actually hit (the torch path, not the GPU's grouped GEMM; it reads the ids on the host)."""
+        experts = self.experts
         w1, w3 = experts.w13.chunk(2, dim=1)
-        # Token-by-expert loop over the experts actually hit: the torch path, not the GPU's grouped GEMM.
         for expert in ids.unique().tolist():
             local = expert - experts.first
             if not 0 <= local < experts.count:  # another rank's expert
@@ -100,6 +116,21 @@ class V4MoE(nn.Module):
             token, slot = (ids == expert).nonzero(as_tuple=True)
             y = swiglu(x[token], w1[local], w3[local], experts.w2[local], self.limit)
             routed.index_add_(0, token, y.float() * weights[token, slot, None])
-        if split:
-            out = out + self.parallel.all_reduce(routed)
-        return out.to(x.dtype)
+
+    def add_routed_every_expert(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                                routed: torch.Tensor) -> None:
+        """The same sum with fixed shapes and no host read, for CUDA-graph capture (decode steps): every
+        local expert runs on every token (two batched products that read each expert's weights once)
+        and a token's weight for an expert it was not routed to is 0. It reads all local experts, not
+        just the hit ones: fine for a decode batch that hits most of them, wasteful for a few tokens
+        over many experts (a grouped GEMM is the fix)."""
+        experts = self.experts
+        local = ids - experts.first
+        mine = (local >= 0) & (local < experts.count)
+        combine = torch.zeros(x.shape[0], experts.count, dtype=torch.float32, device=x.device)
+        combine.scatter_add_(1, local.clamp(0, experts.count - 1), weights.masked_fill(~mine, 0.0))
+        inter = experts.w2.shape[2]
+        h = torch.matmul(x[None], experts.w13.transpose(1, 2))  # [E, T, 2I]
+        act = F.silu(h[..., :inter].clamp(max=self.limit)) * h[..., inter:].clamp(-self.limit, self.limit)
+        y = torch.bmm(act, experts.w2.transpose(1, 2))  # [E, T, d]
+        routed += (y.float() * combine.T[:, :, None]).sum(0)
