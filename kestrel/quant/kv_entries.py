@@ -124,7 +124,9 @@ class ScaledKeyFP8:
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., width] -> uint8 [..., nbytes]."""
         xf = x.float()
-        scale = xf.abs().amax(-1, keepdim=True).clamp(min=_TINY) / _E4M3_MAX
+        # Times the reciprocal, not divided: CUDA turns a division by a Python number into this product,
+        # so writing it out gives the same bytes on every device.
+        scale = xf.abs().amax(-1, keepdim=True).clamp(min=_TINY) * (1.0 / _E4M3_MAX)
         values = saturate_to_fp8(xf / scale, FP8).view(torch.uint8)
         return torch.cat([values, scale.view(torch.uint8)], dim=-1)
 
