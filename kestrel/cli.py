@@ -110,7 +110,7 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 BENCHES = {"one-batch": "kestrel.bench.one_batch", "offline": "kestrel.bench.offline",
-           "serving": "kestrel.bench.serving"}
+           "serving": "kestrel.bench.serving", "perplexity": "kestrel.bench.perplexity"}
 
 
 def configure_logging(level: str | None) -> None:
