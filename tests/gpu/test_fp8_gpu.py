@@ -69,13 +69,13 @@ def test_engine_fp8_kv_and_weights_under_cuda_graphs_stay_close_to_bf16(tmp_path
     on_triton = _recorded(model, prompts, True, attention_backend="triton", kv_cache_dtype="fp8_e4m3")
     a, b, _ = compared_logits(native, on_triton)
     # Not the same cache: the backends round attention differently in bf16 (probabilities in bf16 or
-    # float32, split-key merges), so layer 1's K/V differ by a fraction of a bf16 ulp, and an entry pushed
-    # across an e4m3 rounding midpoint is stored a whole e4m3 step (2^-4 to 2^-3 of it) away. A relative
-    # difference of RMS rho crosses with probability ~rho / step, so the two caches differ by
-    # ~sqrt(12 rho / step) of e4m3's own rounding error: 0.45 of it at rho = 2^-9 (half a bf16 ulp;
-    # Gaussian entries, computed), 0.87 for entries a whole ulp apart. That rounding moves these logits by
-    # < 0.07 (above), so the caches' difference by < 0.45 * 0.07 = 0.032; with the backends' bf16
+    # float32, split-key merges), so the K/V of every layer after the first differ by a fraction of a bf16
+    # ulp, and an entry pushed across an e4m3 rounding midpoint is stored a whole e4m3 step (2^-4 to 2^-3
+    # of it) away. A relative difference of RMS rho crosses with probability ~rho / step, so the two
+    # caches differ by ~sqrt(12 rho / step) of e4m3's own rounding error: 0.45 of it at rho = 2^-9 (half a
+    # bf16 ulp; Gaussian entries, computed), 0.87 for entries a whole ulp apart. That rounding moves these
+    # logits by < 0.07 (above), so the caches' difference by < 0.45 * 0.07 = 0.032; with the backends' bf16
     # difference itself (0.011 on this model on CPU, bf16 vs float32-accumulated attention, no FP8) in
-    # quadrature: 0.034. A store that truncated instead of rounding to nearest would be ~2.4 times
-    # e4m3's rounding error away (computed), ~0.15 here (FP8 KV against bf16 measures 0.062 on this model on CPU).
+    # quadrature: 0.034. A store that truncated instead of rounding to nearest would be ~2.4 times e4m3's
+    # rounding error away (computed): ~0.15 here, where FP8 KV against bf16 measures 0.062 (CPU, bf16).
     assert relative_rms(a, b) < 0.035  # measured 0.020 on the H200
