@@ -28,6 +28,7 @@ standard library. Their sha256 is printed, since another Python's copies of the 
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import math
@@ -36,6 +37,8 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from kestrel.bench.common import report
 from kestrel.cli import add_engine_flags, config_from_args, configure_logging
@@ -114,12 +117,17 @@ def measure(config: EngineConfig, docs_of, span: int | None) -> dict:
         nll, tokens = score(engine, docs, span)
         seconds = time.perf_counter() - start
         c = engine.config
-        return {"model": c.model.model, "device": str(engine.device), "dtype": c.model.dtype,
-                "kv_cache_dtype": c.cache.kv_cache_dtype, "quantization": c.model.quantization,
-                "attention_backend": engine.runner.attn_backend.name,
-                "chunked_prefill_size": c.scheduler.chunked_prefill_size, "window": span or engine.max_req_len - 1,
-                "documents": len(docs), "tokens": tokens, "nll_sum": nll, "perplexity": math.exp(nll / tokens),
-                "seconds": seconds, "tokens_per_s": tokens / seconds}
+        result = {"model": c.model.model, "device": str(engine.device), "dtype": c.model.dtype,
+                  "kv_cache_dtype": c.cache.kv_cache_dtype, "quantization": c.model.quantization,
+                  "attention_backend": engine.runner.attn_backend.name,
+                  "chunked_prefill_size": c.scheduler.chunked_prefill_size, "window": span or engine.max_req_len - 1,
+                  "documents": len(docs), "tokens": tokens, "nll_sum": nll, "perplexity": math.exp(nll / tokens),
+                  "seconds": seconds, "tokens_per_s": tokens / seconds}
+    del engine
+    gc.collect()  # the next variant's engine sizes its KV pool from the free GPU memory
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
 
 
 def variants(args: argparse.Namespace) -> list[tuple[str, dict, float | None]]:
