@@ -37,7 +37,8 @@ def backend_pair(gen: torch.Generator, ratio: int, fp8: bool, dtype: torch.dtype
     if ratio:
         values = torch.randn(8 * TABLE_WIDTH // ratio, D, generator=gen) * 2
         entries = codec.encode(values) if fp8 else values.to(dtype)
-    pools = SimpleNamespace(layer=lambda layer_id: SimpleNamespace(ckv=entries, ckv_codec=codec))
+    layer = SimpleNamespace(ckv=entries, ckv_codec=codec)
+    pools = SimpleNamespace(layer=lambda layer_id: layer)
     return DSV4Backend(pools, None, sparse_kernel=True), DSV4Backend(pools, None, sparse_kernel=False)
 
 
