@@ -162,11 +162,11 @@ def _sm_count(device: torch.device) -> int:
 
 
 def default_splits(tokens: int, head_tiles: int, keys: int, block_n: int, device: torch.device) -> int:
-    """Splits per token so that the grid covers the device about twice over, each split at least two key
-    tiles: from static sizes only (the same for every replay of a captured decode step)."""
+    """Splits per token so that the grid covers the device about twice over, each split at least one key
+    tile: from static sizes only (the same for every replay of a captured decode step)."""
     programs = tokens * head_tiles
     want = -(-2 * _sm_count(device) // max(1, programs))
-    return max(1, min(want, keys // (2 * block_n), 64))
+    return max(1, min(want, keys // block_n, 64))
 
 
 def sparse_attention(q: torch.Tensor, window_source: torch.Tensor, window_index: torch.Tensor,
