@@ -35,7 +35,10 @@ FULL = dict(device="cuda", dtype=torch.bfloat16, heads=64, dim=512, rope=64, win
             batches=[1, 32], chunk=8192, iters=20)
 SMOKE = dict(device="cpu", dtype=torch.float32, heads=16, dim=64, rope=16, window=8, topk=8, context=512,
              batches=[1, 2], chunk=16, iters=1)
-SWEEP = [dict(block_h=32, num_warps=8), dict(block_h=64, num_warps=8), dict(block_n=64, num_warps=8)]
+# (kernel options, packed FP8 entries): the ratio-4 cases rerun with each (the default: block_h 16,
+# block_n 32, 4 warps); an FP8 key tile is dequantised in registers, so smaller tiles may suit it.
+SWEEP = [(dict(block_h=32, num_warps=8), False), (dict(block_h=64, num_warps=8), False),
+         (dict(block_n=64, num_warps=8), False), (dict(block_n=16), True)]
 
 
 def build(p: dict, ratio: int, batch: int, extend: int, fp8: bool):
@@ -137,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_fp8:
         todo += [(label + " fp8", r, b, e, True, None) for label, r, b, e in cases(p, True)]
     if not args.no_sweep:
-        todo += [(f"{label} " + ",".join(f"{k}={v}" for k, v in o.items()), r, b, e, False, o)
-                 for o in SWEEP for label, r, b, e in cases(p, False) if r == 4]
+        todo += [(f"{label}{' fp8' if fp8 else ''} " + ",".join(f"{k}={v}" for k, v in o.items()), r, b, e, fp8, o)
+                 for o, fp8 in SWEEP for label, r, b, e in cases(p, fp8) if r == 4 and not (fp8 and args.no_fp8)]
     res = {"device": torch.cuda.get_device_name() if p["device"] == "cuda" else "cpu", "torch": torch.__version__,
            "widths": {k: p[k] for k in ("heads", "dim", "window", "topk", "context", "chunk")},
            "dtype": str(p["dtype"]), "cases": {}}
