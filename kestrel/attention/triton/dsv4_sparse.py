@@ -181,6 +181,10 @@ def sparse_attention(q: torch.Tensor, window_source: torch.Tensor, window_index:
     entries (optional): `entries` [slots, D] in q's dtype, or packed uint8 [slots, codec.nbytes] with a
     `RopeEntryFP8` codec; `entry_table` [R, N] BLOCK slots, `tok_row` [T] each token's row of it; then
     either `picks` [T, k] (columns, -1 = none) or `counts` [T] (columns 0 .. counts - 1). `sink` [H]."""
+    # The kernel steps rows by their strides and assumes unit stride along the last dim.
+    q, window_source, window_index, window_valid, entries, entry_table, picks = (
+        t if t is None or t.stride(-1) == 1 else t.contiguous()
+        for t in (q, window_source, window_index, window_valid, entries, entry_table, picks))
     T, H, D = q.shape
     if window_source.dtype != q.dtype:
         raise ValueError(f"the window source must be in q's dtype {q.dtype}, got {window_source.dtype}")
@@ -198,6 +202,8 @@ def sparse_attention(q: torch.Tensor, window_source: torch.Tensor, window_index:
         raise ValueError(f"unpacked entries must be in q's dtype {q.dtype}, got {entries.dtype}")
     dev = q.device
     out = torch.empty_like(q)
+    if T == 0:  # Triton refuses an empty grid
+        return out
     W = window_index.shape[1]
     n_entries = 0 if not has_entries else (picks.shape[1] if picks is not None else entry_table.shape[1])
     block_d = triton.next_power_of_2(D)
