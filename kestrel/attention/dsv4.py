@@ -20,8 +20,11 @@ reads of earlier state happen before this step's writes, so one path serves pref
 No layer loops over requests: `dsv4_plan.StepPlan` builds every gather/scatter index once per step (from
 the host lengths; a decode step of a CUDA graph, whose batch has none, from the device lengths with
 static sizes: `StepPlan.decode`, for sequences up to `graph_max_seq_len`), and
-the attention gathers each query's keys (its window, then its selected or all visible compressed
-entries) and runs one softmax for all queries and heads, in query tiles that bound its memory.
+the attention runs one softmax per query over its window and its selected (ratio 4) or all visible
+(ratio 128) compressed entries, with the sink: on CUDA in one Triton kernel
+(`kestrel/attention/triton/dsv4_sparse.py`, which reads the key rows and decodes packed entries in
+registers); elsewhere, and as the kernel's reference, in torch, gathering each query's keys for all
+queries and heads in query tiles that bound its memory.
 A TARGET_VERIFY is such an extend too, so its tree must be a chain (speculative_eagle_topk=1): the
 per-request state is kept by position, one entry per position. Its rejected tokens' writes land in
 ring rows no later step reads (the layout makes the rings that much longer) and in compressed blocks
@@ -29,6 +32,7 @@ that the step completing them again rewrites.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -102,8 +106,14 @@ class WindowKeys:
 
 
 class DSV4Backend:
-    def __init__(self, pools: "KVPools", req_to_token: "ReqToTokenPool", name: str = "dsv4") -> None:
+    def __init__(self, pools: "KVPools", req_to_token: "ReqToTokenPool", name: str = "dsv4",
+                 sparse_kernel: bool | None = None) -> None:
+        """`sparse_kernel`: whether `attend` runs the Triton kernel (None: on CUDA when Triton is
+        installed; True on CPU needs TRITON_INTERPRET=1, the tests' interpreter). `kernel_options`:
+        keyword arguments for it (tile sizes, splits: `sparse_attention`'s), set by tests and benchmarks."""
         self.name = name
+        self.sparse_kernel = sparse_kernel
+        self.kernel_options: dict[str, int] = {}
         self.pools = pools
         self.req_to_token = req_to_token
         self.plan: StepPlan | None = None
@@ -217,7 +227,10 @@ class DSV4Backend:
         """q [T, H, D] -> [T, H, D]: per query, one softmax over its window keys and its compressed
         entries (ratio 4: the blocks `selected` [T, k] names, -1 = none; ratio 128: every visible
         block); the sink a_h is an extra logit with a zero value, so it only enlarges the denominator.
-        Both products run in q's dtype (fp32 accumulation, fp32 logits: `logits_f32`); the softmax in fp32."""
+        Both products run in q's dtype (fp32 accumulation, fp32 logits: `logits_f32`); the softmax in fp32.
+        With `sparse_kernel` (module docstring) one Triton kernel computes the same."""
+        if self._use_kernel(q.device):
+            return self._attend_kernel(layer_id, q, window, sink, scale, ratio, selected)
         T, H, D = q.shape
         sink = sink.float()[None, :]
         width = window.index.shape[1]
@@ -276,6 +289,36 @@ class DSV4Backend:
                 return o
             out[a:b] = o
         return out
+
+    def _use_kernel(self, device: torch.device) -> bool:
+        if self.sparse_kernel is None:
+            return device.type == "cuda" and _triton_installed()
+        return self.sparse_kernel
+
+    def _attend_kernel(self, layer_id: int, q: torch.Tensor, window: WindowKeys, sink: torch.Tensor, scale: float,
+                       ratio: int, selected: torch.Tensor | None) -> torch.Tensor:
+        """`attend` through the Triton kernel: it takes the plan's per-request block table as is, with the
+        indexer's picks (ratio 4) or each token's visible count (ratio 128), so no per-token key list is
+        built here."""
+        from kestrel.attention.triton.dsv4_sparse import sparse_attention
+
+        entries = {}
+        if ratio:
+            layer = self.pools.layer(layer_id)
+            slots, visible = self.plan.blocks(ratio)
+            entries = dict(entries=layer.ckv, codec=layer.ckv_codec, entry_table=slots, tok_row=self.plan.tok_req,
+                           picks=selected, counts=visible if selected is None else None)
+        return sparse_attention(q, window.source, window.index, window.valid, sink, scale, **entries,
+                                **self.kernel_options)
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def dsv4_backend(batch: "ForwardBatch") -> DSV4Backend:

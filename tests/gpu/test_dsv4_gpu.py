@@ -2,13 +2,18 @@
 out_dtype path of torch.mm / bmm) at the decode and prefill-tile layouts `attend` uses; the packed FP8
 KV entries encode and decode on CUDA to the same bytes and values as on the CPU (the CPU tests' oracle);
 decode steps captured in CUDA graphs (static-sizes plan, every-expert MoE) = eager decode, through the
-engine."""
+engine; the sparse-attention Triton kernel = the backend's torch path at Flash widths (H 64, D 512,
+bf16 and packed FP8) and in the engine (prefill and graph-replayed decode logits)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 
 from kestrel import Engine, SamplingParams
-from kestrel.attention.dsv4 import _fp32_out, logits_f32
+from kestrel.attention.dsv4 import DSV4Backend, WindowKeys, _fp32_out, logits_f32
+from kestrel.attention.dsv4_plan import StepPlan, V4Span
 from kestrel.core.forward_mode import ForwardMode
 from kestrel.quant.kv_entries import RopeEntryFP8, ScaledKeyFP8
 from tests.e2e.test_spec_nextn import checkpoint, prompts, weights  # noqa: F401 - fixtures
@@ -108,3 +113,113 @@ def test_v4_decode_graph_replay_equals_eager_logits(checkpoint) -> None:
         futures = [[f] for f in runner.future_tokens.put(tokens)]
         engine.scheduler.commit(batch, batch.reqs, futures)
         engine.scheduler.resolve(batch.reqs, [[t] for t in tokens.tolist()], futures)
+
+
+# ---- the sparse-attention kernel ---------------------------------------------------------------------
+def flash_width_case(ratio: int, fp8: bool, decode: bool, device: str = "cuda"):
+    """(kernel backend, torch backend, attend args) at Flash widths: 64 heads, D 512, window 128, 512
+    picks; 3 requests at 2k-3k context (decode: one token each, static-sizes plan; else a 300-token
+    chunk each)."""
+    dev, dtype, H, D, W = torch.device(device), torch.bfloat16, 64, 512, 128
+    gen = torch.Generator(dev).manual_seed(ratio + 10 * fp8 + 100 * decode)
+    width, rows = 4096, torch.tensor([2, 0, 3], device=dev)
+    table = torch.arange(5, device=dev)[:, None] * width + torch.arange(width, device=dev)[None, :]
+    prefix = torch.tensor([3000, 2047, 2500], device=dev)
+    ratios = (ratio,) if ratio else ()
+    if decode:
+        plan = StepPlan.decode(rows, prefix, table, ratios, 4, width)
+    else:
+        plan = StepPlan([V4Span(r, p, 300, 300 * i) for i, (r, p) in enumerate(zip(rows.tolist(), prefix.tolist()))],
+                        table, ratios, 4)
+    T = plan.num_tokens
+    codec = RopeEntryFP8(D, 64) if fp8 else None
+    entries = None
+    if ratio:
+        values = torch.randn(5 * width // ratio, D, generator=gen, device=dev).to(dtype)
+        entries = codec.encode(values) if fp8 else values
+    layer = SimpleNamespace(ckv=entries, ckv_codec=codec)
+    pools = SimpleNamespace(layer=lambda layer_id: layer)
+    pair = []
+    for kernel in (True, False):
+        backend = DSV4Backend(pools, None, sparse_kernel=kernel)
+        backend.plan = plan
+        pair.append(backend)
+    index, valid = plan.window(W)
+    valid = valid & (torch.rand(valid.shape, generator=gen, device=dev) > 0.1)
+    window = WindowKeys(torch.randn(3 * (W - 1) + T, D, generator=gen, device=dev).to(dtype), index, valid)
+    q = torch.randn(T, H, D, generator=gen, device=dev).to(dtype)
+    sink = torch.randn(H, generator=gen, device=dev)
+    selected = None
+    if ratio == 4:
+        visible = plan.blocks(4)[1]
+        selected = (torch.rand(T, 512, generator=gen, device=dev) * visible[:, None]).long()
+        selected = selected.masked_fill(torch.rand(T, 512, generator=gen, device=dev) < 0.1, -1)
+    return (*pair, (q, window, sink, D ** -0.5, ratio, selected))
+
+
+@pytest.mark.parametrize("ratio, fp8", [(0, False), (4, False), (128, False), (4, True), (128, True)])
+@pytest.mark.parametrize("decode", [True, False])
+def test_sparse_kernel_equals_torch_path_at_flash_widths(ratio: int, fp8: bool, decode: bool) -> None:
+    """bf16: both round the probabilities to bf16 before the value product and return bf16, so they
+    differ by bf16 steps of the outputs (~4e-3 of them); against the torch path in fp32 over the same
+    values, the kernel is no further off than the bf16 torch path (+ one bf16 step)."""
+    kernel, torch_path, (q, window, sink, scale, ratio, selected) = flash_width_case(ratio, fp8, decode)
+    got = kernel.attend(0, q, window, sink, scale, ratio, selected)
+    want = torch_path.attend(0, q, window, sink, scale, ratio, selected)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    # fp32 oracle: the same keys and q upcast (the packed entries decode to float32 in the torch path).
+    if not fp8 and ratio:
+        layer = torch_path.pools.layer(0)
+        layer.ckv = layer.ckv.float()
+    w32 = WindowKeys(window.source.float(), window.index, window.valid)
+    exact = torch_path.attend(0, q.float(), w32, sink, scale, ratio, selected)
+    err_kernel = (got.float() - exact).abs().max().item()
+    err_torch = (want.float() - exact).abs().max().item()
+    assert err_kernel <= 1.5 * err_torch + 4e-3, (err_kernel, err_torch)
+
+
+def test_engine_logits_with_the_sparse_kernel_equal_the_torch_path(checkpoint) -> None:
+    """The tier-A config through the engine (fp32): a prefill of three requests (200, 5 and 137 tokens:
+    ratio-128 blocks visible) run with the kernel and with the torch path over the same state (the
+    forward rewrites the same entries), then a decode step replayed from its CUDA graph (the kernel
+    captured with the static-sizes plan) = the eager torch path."""
+    with Engine(model=checkpoint, disable_overlap_schedule=True, **GRAPH_ENGINE) as engine:
+        runner, backend = engine.runner, engine.runner.attn_backend
+        assert backend.sparse_kernel is None and backend._use_kernel(torch.device("cuda"))
+        params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+        gen = torch.Generator().manual_seed(3)
+        for n in (200, 5, 137):
+            engine.add_request(prompt_token_ids=torch.randint(2, 500, (n,), generator=gen).tolist(),
+                               sampling_params=params)
+        batch = engine.scheduler.schedule()
+        assert batch.mode is ForwardMode.EXTEND and len(batch.reqs) == 3
+        fb = runner.build_batch(batch)
+        logits = []
+        with torch.inference_mode():
+            for kernel in (True, False):
+                backend.sparse_kernel = kernel
+                backend.init_forward_metadata(fb)
+                logits.append(runner.model.compute_logits(runner.model(fb.input_ids, fb.positions, fb)))
+        backend.sparse_kernel = None
+        torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=0)  # at every prompt position
+        _finish(engine, batch, logits[1][fb.logits_indices].argmax(-1))
+        batch = engine.scheduler.schedule()
+        assert batch.mode is ForwardMode.DECODE and len(batch.reqs) == 3
+        fb = runner.build_batch(batch)
+        graphs = runner.cuda_graphs[(ForwardMode.DECODE, 1)]
+        assert graphs.can_run(fb)
+        graph_logits = graphs.replay(fb).logits.clone()
+        backend.sparse_kernel = False
+        backend.init_forward_metadata(fb)
+        with torch.inference_mode():
+            eager = runner.model.compute_logits(runner.model(fb.input_ids, fb.positions, fb))
+        backend.sparse_kernel = None
+        torch.testing.assert_close(graph_logits, eager, atol=2e-3, rtol=0)
+        _finish(engine, batch, graph_logits.argmax(-1))
+
+
+def _finish(engine, batch, tokens: torch.Tensor) -> None:
+    """Commit a hand-run step as the engine would, so its bookkeeping stays whole."""
+    futures = [[f] for f in engine.runner.future_tokens.put(tokens)]
+    engine.scheduler.commit(batch, batch.reqs, futures)
+    engine.scheduler.resolve(batch.reqs, [[t] for t in tokens.tolist()], futures)
