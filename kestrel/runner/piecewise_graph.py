@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -100,7 +101,7 @@ class PiecewiseGraphRunner:
         self.attn_out = torch.zeros(n, attn.q_size, dtype=dtype, device=device)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)  # the final norm's output
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, segment) -> graph
-        self.replays = 0  # forwards served by replaying graphs (tests, logs)
+        self.replays: Counter[ForwardMode] = Counter()  # forwards served by replaying, by mode (tests, benches)
         self.graph_memory = 0  # device bytes taken: static buffers, graphs and their pool, warm-up's cache
         if capture:
             self._capture_all(device)
@@ -148,7 +149,7 @@ class PiecewiseGraphRunner:
 
     def replay(self, batch: ForwardBatch) -> "ForwardOutput":
         """The ForwardOutput of an eager-built batch that `can_run`."""
-        self.replays += 1
+        self.replays[batch.forward_mode] += 1
         return self._forward(batch, lambda i, bucket: self.graphs[(bucket, i)].replay())
 
     def run_uncaptured(self, batch: ForwardBatch) -> "ForwardOutput":
