@@ -86,6 +86,34 @@ def test_segmented_forward_equals_eager(tiny_model, arch):
     assert any(s[-1] is not None and s[0] in (ForwardMode.EXTEND, ForwardMode.MIXED) for s in seen)
 
 
+def test_engine_through_the_segments_gives_eager_greedy_tokens(tiny_model):
+    """The runner's dispatch: with piecewise graphs in place (replaying = running the segments uncaptured,
+    as on CPU nothing is captured), EXTEND / MIXED steps take them and the greedy tokens stay the eager
+    engine's."""
+    model = tiny_model("llama")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (40, 7, 25, 60, 13, 33)]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    outs, served = [], []
+    for piecewise in (False, True):
+        with Engine(model=model, device="cpu", dtype="float32", chunked_prefill_size=32,
+                    enable_mixed_chunk=True) as engine:
+            if piecewise:
+                pieces = PiecewiseGraphRunner(engine.runner.model, MAX_TOKENS, engine.runner.device, capture=False)
+                pieces.replay = lambda fb: served.append(fb.forward_mode) or pieces.run_uncaptured(fb)
+                engine.runner.piecewise_graphs = pieces
+            first = engine.generate(prompt_token_ids=prompts[:3], sampling_params=params)
+            rids = [engine.add_request(prompt_token_ids=p, sampling_params=params) for p in prompts[3:]]
+            engine.step()
+            rids.append(engine.add_request(prompt_token_ids=prompts[0][:30] + [9], sampling_params=params))
+            while engine.has_work():
+                engine.step()
+            outs.append([o.token_ids for o in first] + [engine.request(r).output_ids for r in rids])
+            assert_pool_full(engine)
+    assert outs[0] == outs[1]
+    assert ForwardMode.EXTEND in served and ForwardMode.MIXED in served
+
+
 def test_token_buckets():
     assert token_buckets(2048) == [64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792,
                                    2048]
