@@ -22,6 +22,10 @@ HELP = {
                       "(DeepSeek-V4: fp8_e4m3 only, spec §6's packed 584 B entries)",
     "quantization": "fp8: linear weights in FP8 (block-scaled e4m3; a float checkpoint is quantized at load). "
                     "Default: what the checkpoint holds",
+    "enable_piecewise_cuda_graph": "replay CUDA graphs between the attention calls of prefill (EXTEND) and "
+                                   "MIXED steps of Llama-family models on CUDA (docs/cuda-graphs.md)",
+    "piecewise_cuda_graph_max_tokens": "largest step, in new tokens, that piecewise CUDA graphs serve "
+                                       "(default 2048); larger steps run eagerly",
     "attention_backend": "attention backend for both phases (e.g. torch_native)",
     "speculative_algorithm": "EAGLE, EAGLE3, NEXTN, STANDALONE or NGRAM (as SGLang spells them)",
     "speculative_draft_model_path": "the draft: an EAGLE/EAGLE-3 head or a small LM folder, or a bundled name "

@@ -89,6 +89,10 @@ class SpeculativeConfig:
 class CudaGraphConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256  # decode batches up to this size replay a captured graph
+    # EXTEND / MIXED forwards of up to piecewise_cuda_graph_max_tokens new tokens replay captured graphs
+    # between their attention calls (kestrel.runner.piecewise_graph); off until measured on serving loads.
+    enable_piecewise_cuda_graph: bool = False
+    piecewise_cuda_graph_max_tokens: int = 2048
 
 
 @dataclass(frozen=True)
@@ -231,6 +235,9 @@ class EngineConfig:
         speculative = resolve_speculative(self.speculative, model_path, hf)
         if self.cuda_graph.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph.cuda_graph_max_bs}")
+        if self.cuda_graph.piecewise_cuda_graph_max_tokens < 1:
+            raise ValueError("piecewise_cuda_graph_max_tokens must be >= 1, got "
+                             f"{self.cuda_graph.piecewise_cuda_graph_max_tokens}")
         _check_server(self.server)
         check_parallel(self.parallel, hf, device, speculative, quantization)
         out = dataclasses.replace(

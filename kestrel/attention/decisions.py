@@ -49,6 +49,12 @@ def cuda_graph_backends(config: "EngineConfig") -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def piecewise_graph_prefill(config: "EngineConfig") -> bool:
+    """Piecewise CUDA graphs serve EXTEND and MIXED forwards, which the prefill half attends: it must be
+    one that runs between the captured segments (the registry's `piecewise_cuda_graph`)."""
+    return REGISTRY[attention_backends(config).prefill].piecewise_cuda_graph
+
+
 @dataclass(frozen=True)
 class Decision:
     name: str
@@ -63,4 +69,6 @@ DECISIONS = [
     Decision("library_requirements", "any", "EngineConfig.resolve: version floor guard", library_requirements),
     Decision("cuda_graph_backends", "decode (+prefill when it serves verify)", "CUDA-graph capture set",
              cuda_graph_backends),
+    Decision("piecewise_graph_prefill", "prefill", "ModelRunner: piecewise CUDA graphs for EXTEND / MIXED",
+             piecewise_graph_prefill),
 ]

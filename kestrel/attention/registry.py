@@ -41,6 +41,10 @@ class BackendEntry:
     cuda_graph: bool = False  # its decode path can be captured (no host reads of per-batch values)
     # Its speculative forwards (verify, draft extend, the draft's decode lanes) can be captured too.
     cuda_graph_spec: bool = True
+    # As the prefill half it may run eagerly between piecewise CUDA graphs (kestrel.runner.piecewise_graph):
+    # it reads q/k/v of the real tokens from the graphs' static buffers, and the metadata it builds for
+    # the batch stays valid across the segments. Only the backend measured that way says so.
+    piecewise_cuda_graph: bool = False
     serves: frozenset[str] = field(default_factory=lambda: frozenset({"prefill", "decode"}))
     dsv4: bool = False  # serves DeepSeek-V4's window + compressed sparse attention, and only that
     # What it can serve for a draft model (kestrel.spec.draft_backends): "decode", the multi-step draft
@@ -76,7 +80,8 @@ def _triton_unavailable(config: "EngineConfig") -> str | None:
     return None
 
 
-@register("triton", unavailable=_triton_unavailable, triton_kernels=True, library=("triton", "3.1"), cuda_graph=True)
+@register("triton", unavailable=_triton_unavailable, triton_kernels=True, library=("triton", "3.1"), cuda_graph=True,
+          piecewise_cuda_graph=True)
 def _triton(pools, req_to_token, config):
     from kestrel.attention.triton_backend import TritonBackend
 

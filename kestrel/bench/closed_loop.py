@@ -77,6 +77,8 @@ def run(engine, prompts: list[list[int]], out_lens: list[int], concurrency: int)
         for (_, mode, reqs, tokens, _, upto), (*_, since) in zip(steps, [(0,) * 6] + steps):
             kind = f"{mode} {bucket(tokens / reqs, tokens)} new tokens"
             by_kind.setdefault(kind, []).append(sum(gpu[since:upto]))
+    pieces = runner.piecewise_graphs
+    replays = {m.value: c for m, c in pieces.replays.items()} if pieces is not None else {}
     slow = sorted(steps, key=lambda s: -s[4])[:max(1, len(steps) // 100)]
     gaps = [b[0] - b[4] - a[0] for a, b in zip(steps, steps[1:])]  # host time between two steps
     return {
@@ -88,6 +90,7 @@ def run(engine, prompts: list[list[int]], out_lens: list[int], concurrency: int)
         "step_p99_ms": percentile([s[4] for s in steps], 99) * ms,
         "between_steps_p99_ms": percentile(gaps, 99) * ms if gaps else 0.0,
         "slowest_1pct_by_mode": dict(Counter(s[1] for s in slow)),
+        "piecewise_graph_replays": replays,  # forwards piecewise CUDA graphs served, by mode (warm-up run included)
         "gpu_forward_ms_by_kind": {k: {"steps": len(v), "median": round(median(v), 2), "max": round(max(v), 2)}
                                    for k, v in sorted(by_kind.items())},
         "slowest_1pct": [{"mode": s[1], "requests": s[2], "new_tokens": s[3], "ms": round(s[4] * ms, 2)}
@@ -117,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     result = run(engine, prompts, out_lens, args.max_concurrency)
     rows = [(k, v) for k, v in result.items() if not isinstance(v, (list, dict))]
     rows.append(("slowest 1 % of steps, by mode", result["slowest_1pct_by_mode"]))
+    rows.append(("piecewise CUDA graph replays, by mode", result["piecewise_graph_replays"]))
     rows += [(f"GPU forward, {kind}", v) for kind, v in result["gpu_forward_ms_by_kind"].items()]
     rows += [(f"slow step {i}", s) for i, s in enumerate(result["slowest_1pct"][:8])]
     report(f"closed loop in process, concurrency {args.max_concurrency}", rows,

@@ -45,7 +45,8 @@ class LlamaAttention(nn.Module):
         self.attn = AttentionLayer(layer_id, heads, kv_heads, head_dim, head_dim ** -0.5,
                                    sliding_window=cfg.sliding_windows[layer_id])
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def qkv(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention call's inputs: q and k normed (Qwen3) and rotated, v."""
         qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
@@ -54,7 +55,10 @@ class LlamaAttention(nn.Module):
             qk = torch.cat([q, k], dim=-1)
         # Query and key heads sit side by side in `qk`: one rope call rotates both.
         q, k = self.rotary_emb(positions, qk).split([self.q_size, self.kv_size], dim=-1)
-        return self.o_proj(self.attn(q, k, v, batch))
+        return q, k, v
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.o_proj(self.attn(*self.qkv(positions, hidden), batch))
 
 
 class LlamaMLP(nn.Module):
@@ -84,12 +88,28 @@ class LlamaDecoderLayer(nn.Module):
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(sub-layer output, residual stream) -> the same for the next layer; the residual add is
         fused into the next norm."""
+        q, k, v, residual = self.pre_attention(positions, hidden, residual)
+        return self.post_attention(self.attention(q, k, v, batch), residual)
+
+    # The layer split at its attention call, for forwards that run the halves apart
+    # (kestrel.runner.piecewise_graph). Neither half reads the batch: only the attention call does.
+    def pre_attention(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input norm (adding the previous sub-layer's output to the residual) and the attention's
+        q, k, v -> (q, k, v, residual)."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return *self.self_attn.qkv(positions, hidden), residual
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The batch's attention backend: stores k/v in the KV pool, returns [T, heads * head_dim]."""
+        return self.self_attn.attn(q, k, v, batch)
+
+    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj, the residual add fused into the post-attention norm, the MLP -> (MLP output, residual)."""
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
         return self.mlp(hidden), residual
 
 
@@ -105,7 +125,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton=kernels.triton_elementwise)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+        hidden, residual = self.embed(input_ids), None
         captured = {}
         for i, layer in enumerate(self.layers):
             if i in batch.capture_hidden:  # the residual stream entering layer i (EAGLE-3's features)
@@ -115,6 +135,13 @@ class LlamaModel(nn.Module):
             captured[len(self.layers)] = hidden + residual
         if captured:
             batch.captured_hidden = torch.cat([captured[i] for i in batch.capture_hidden], dim=-1)
+        return self.final_norm(hidden, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last layer's (MLP output, residual) -> the final-normed hidden state."""
         return self.norm(hidden, residual)[0]
 
 
@@ -140,6 +167,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.model(input_ids, positions, batch)
+
+    def segmented_decoder(self) -> LlamaModel:
+        """The decoder as `kestrel.runner.piecewise_graph` drives it: embed, each layer's halves around
+        its attention call, final norm (the LM head stays `compute_logits`)."""
+        return self.model
 
     def kv_layout(self, dtype: torch.dtype, speculative_tokens: int = 1) -> KVLayout:
         """This rank's KV heads (all of them at tp_size 1). `speculative_tokens` needs nothing here: a

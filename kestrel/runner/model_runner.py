@@ -20,6 +20,7 @@ from kestrel.core.forward_mode import ForwardMode
 from kestrel.layers.kernels import Kernels
 from kestrel.runner.cuda_graph import CudaGraphRunner
 from kestrel.runner.future_tokens import FutureTokens
+from kestrel.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,20 @@ class ModelRunner:
         self._graphs_on = (self.device.type == "cuda" and not config.cuda_graph.disable_cuda_graph
                            and all(b.cuda_graph for b in graph_backends))
         self._spec_graphs_on = self._graphs_on and all(b.cuda_graph_spec for b in graph_backends)
+        self.piecewise_graphs: PiecewiseGraphRunner | None = None
         if attn_backend is None:
             self.capture_graphs(ForwardMode.DECODE, 1)
+            if config.cuda_graph.enable_piecewise_cuda_graph:
+                self._capture_piecewise_graphs()
+
+    def _capture_piecewise_graphs(self) -> None:
+        """After the decode graphs, as SGLang does; a draft model's runner never captures them."""
+        reason = piecewise_unavailable(self.config, self.model, self.device)
+        if reason is not None:
+            logger.warning("piecewise CUDA graphs stay off: %s", reason)
+            return
+        self.piecewise_graphs = PiecewiseGraphRunner(
+            self.model, self.config.cuda_graph.piecewise_cuda_graph_max_tokens, self.device)
 
     def _target_backend(self, config: EngineConfig, pools: KVPools):
         pair = attention_backends(config)
@@ -175,6 +188,8 @@ class ModelRunner:
         graph = self.cuda_graphs.get((fb.forward_mode, fb.max_extend))
         if graph is not None and graph.can_run(fb):
             return graph.replay(fb)
+        if self.piecewise_graphs is not None and self.piecewise_graphs.can_run(fb):
+            return self.piecewise_graphs.replay(fb)
         fb.attn_backend.init_forward_metadata(fb)
         token_hidden = self.model(fb.input_ids, fb.positions, fb)
         hidden = token_hidden[fb.logits_indices]

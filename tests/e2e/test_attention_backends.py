@@ -162,8 +162,12 @@ def test_each_decision_reads_its_half_under_split_only_configs(tiny_model, no_pr
     assert decisions.cuda_graph_backends(config(model, **spec)) == ["torch_native", "triton"]
     assert decisions.cuda_graph_backends(config(model, speculative_attention_mode="decode", **spec)) == \
         ["torch_native"]
+    # Piecewise graphs serve EXTEND / MIXED: the prefill half decides.
+    assert decisions.piecewise_graph_prefill(config(model, prefill_attention_backend="triton")) is True
+    assert decisions.piecewise_graph_prefill(config(model, decode_attention_backend="triton")) is False
     assert {d.name for d in decisions.DECISIONS} == {
-        "extend_prefix_reuse", "shared_triton_kernel", "library_requirements", "cuda_graph_backends"}
+        "extend_prefix_reuse", "shared_triton_kernel", "library_requirements", "cuda_graph_backends",
+        "piecewise_graph_prefill"}
 
 
 def test_only_the_resolver_reads_the_base_attention_field():
