@@ -12,6 +12,7 @@ time: their sum against the forward's time shows how much of it the GPU sits idl
 from __future__ import annotations
 
 import argparse
+import gc
 import cProfile
 import json
 import os
@@ -61,6 +62,9 @@ def compare(repeats: int = 5) -> None:
             row["graph_memory_gib"] = round(pieces.graph_memory / 2**30, 3)
         results["piecewise" if piecewise else "eager"] = row
         engine.shutdown()
+        del engine, pieces
+        gc.collect()  # the next engine sizes its KV pool from the free GPU memory
+        torch.cuda.empty_cache()
     print(json.dumps(results, indent=1))
     for n in (400, 1000):
         eager, pw = results["eager"][n]["median_ms"], results["piecewise"][n]["median_ms"]
