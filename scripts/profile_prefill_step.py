@@ -12,8 +12,8 @@ time: their sum against the forward's time shows how much of it the GPU sits idl
 from __future__ import annotations
 
 import argparse
-import gc
 import cProfile
+import gc
 import json
 import os
 import pstats
