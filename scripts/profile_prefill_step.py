@@ -79,17 +79,8 @@ def kernel_profile(args: argparse.Namespace) -> None:
     config = config_from_args(args)
     engine = Engine(config=config)
     for n in (400, 400, 1000):  # the first pays for compiling the kernels' variants
-        prompt = random_prompts([n], engine.vocab_size, rng)[0]
-        rid = engine.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(max_new_tokens=1))
-        engine.runner.forward_events = []
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            while not engine.request(rid).finished:
-                engine.step()
-            torch.cuda.synchronize()
-        gpu = [s.elapsed_time(e) for s, e in engine.runner.forward_events]
-        engine.runner.forward_events = None
-        while engine.has_work():
-            engine.step()
+            gpu = prefill_ms(engine, n, rng)
         print(f"\n=== prompt {n}, forwards (ms): {[round(g, 2) for g in gpu]}")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
     # The host side of the same prefill: which Python calls the launch time goes to.
