@@ -89,8 +89,18 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     with Engine(config=config_from_args(args)) as engine:
-        out = engine.generate(args.prompt, params, use_tqdm=False)[0]  # one prompt: no bar
-    print(out.text)
+        if args.prompt_token_ids is not None:
+            try:
+                ids = [int(t) for t in args.prompt_token_ids.split(",")]
+            except ValueError:
+                raise ValueError(f"--prompt-token-ids takes comma-separated integers, got {args.prompt_token_ids!r}")
+            out = engine.generate(prompt_token_ids=[ids], sampling_params=params, use_tqdm=False)[0]
+        elif engine.tokenizer is None:
+            raise ValueError(f"{engine.config.model.model} has no tokenizer to read --prompt with: pass --tokenizer PATH (a "
+                             "model folder or GGUF file that has one, or `demo`), or --prompt-token-ids 1,2,3")
+        else:
+            out = engine.generate(args.prompt, params, use_tqdm=False)[0]  # one prompt: no bar
+    print(out.text if engine.tokenizer is not None else " ".join(map(str, out.token_ids)))
     return 0
 
 
@@ -144,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt, offline")
     add_engine_flags(gen)
-    gen.add_argument("--prompt", required=True)
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt")
+    prompt.add_argument("--prompt-token-ids", help="comma-separated token ids instead of text (a model without a "
+                                                   "tokenizer; the output is then printed as token ids too)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

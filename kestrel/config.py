@@ -243,7 +243,8 @@ class EngineConfig:
         out = dataclasses.replace(
             self, device=device, cache=cache, scheduler=scheduler, speculative=speculative,
             model=dataclasses.replace(self.model, model=model_path, dtype=dtype, context_length=context_length,
-                                      quantization=quantization, hf_config=hf),
+                                      quantization=quantization, hf_config=hf,
+                                      tokenizer=self.model.tokenizer and resolve_model_path(self.model.tokenizer)),
             resolved=True)
         attention_backends(out)  # unknown or unavailable backends fail here, at start-up
         draft_backend_plan(out)  # so do draft backends that cannot serve a draft mode
