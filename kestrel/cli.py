@@ -124,7 +124,8 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 BENCHES = {"one-batch": "kestrel.bench.one_batch", "offline": "kestrel.bench.offline",
-           "serving": "kestrel.bench.serving", "perplexity": "kestrel.bench.perplexity"}
+           "serving": "kestrel.bench.serving", "closed-loop": "kestrel.bench.closed_loop",
+           "perplexity": "kestrel.bench.perplexity"}
 
 
 def configure_logging(level: str | None) -> None:

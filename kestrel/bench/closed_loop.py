@@ -86,6 +86,7 @@ def run(engine, prompts: list[list[int]], out_lens: list[int], concurrency: int)
         "ttft_median_ms": median(ttft) * ms, "ttft_p99_ms": percentile(ttft, 99) * ms,
         "ttft_steady_p99_ms": percentile(ttft[concurrency:], 99) * ms if len(ttft) > concurrency else None,
         "itl_median_ms": median(itl) * ms, "itl_p99_ms": percentile(itl, 99) * ms,
+        "requests_timed": len(ttft), "gaps_timed": len(itl),
         "steps": len(steps), "step_median_ms": median(s[4] for s in steps) * ms,
         "step_p99_ms": percentile([s[4] for s in steps], 99) * ms,
         "between_steps_p99_ms": percentile(gaps, 99) * ms if gaps else 0.0,

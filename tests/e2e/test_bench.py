@@ -54,6 +54,19 @@ def test_one_batch_and_offline_benchmarks(tiny_model, tmp_path, capsys):
     assert_png(tmp_path / "one.png", panels=2)
 
 
+def test_closed_loop_benchmark_times_every_token(tiny_model, tmp_path):
+    flags = ["--model", tiny_model("llama"), "--device", "cpu", "--dtype", "float32"]
+    assert main(["bench", "closed-loop", *flags, "--num-prompts", "6", "--max-concurrency", "2",
+                 "--random-input-len", "16", "--random-output-len", "5", "--random-range-ratio", "1",
+                 "--chunked-prefill-size", "8", "--json", str(tmp_path / "closed.json")]) == 0
+    result = json.loads((tmp_path / "closed.json").read_text())["kestrel"]
+    # every request's first token is a TTFT, every later one a gap (range ratio 1: exactly 5 tokens each)
+    assert result["requests_timed"] == 6 and result["gaps_timed"] == 6 * (5 - 1)
+    assert result["ttft_p99_ms"] >= result["ttft_median_ms"] > 0 and result["itl_p99_ms"] >= result["itl_median_ms"]
+    assert result["steps"] >= 6 * 4 // 2 and result["gpu_forward_ms_by_kind"] == {}  # no CUDA events on a CPU
+    assert {s["mode"] for s in result["slowest_1pct"]} <= {"EXTEND", "DECODE", "MIXED"}
+
+
 def test_serving_benchmark_against_a_live_server_learns_its_vocabulary(tiny_model, tmp_path, capsys):
     """No --vocab-size: the benchmark reads it from the server (the tiny model has 512 tokens, far
     below the 32000 it used to assume)."""
