@@ -20,7 +20,7 @@ from collections import Counter
 
 import torch
 
-from kestrel.bench.common import median, percentile, report, workload
+from kestrel.bench.common import add_random_dataset_flags, median, percentile, report, warm_up_workload, workload
 from kestrel.cli import add_engine_flags, config_from_args, configure_logging
 from kestrel.core.sampling_params import SamplingParams
 
@@ -102,12 +102,8 @@ def run(engine, prompts: list[list[int]], out_lens: list[int], concurrency: int)
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_flags(parser)
-    parser.add_argument("--num-prompts", type=int, default=320)
+    add_random_dataset_flags(parser, num_prompts=320, input_len=1000, output_len=500, range_ratio=0.2)
     parser.add_argument("--max-concurrency", type=int, default=64)
-    parser.add_argument("--random-input-len", type=int, default=1000)
-    parser.add_argument("--random-output-len", type=int, default=500)
-    parser.add_argument("--random-range-ratio", type=float, default=0.2)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
@@ -116,8 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(config=config_from_args(args))
     prompts, out_lens = workload(args.num_prompts, args.random_input_len, args.random_output_len,
                                  args.random_range_ratio, engine.vocab_size, random.Random(args.seed))
-    warm, warm_lens = workload(min(8, args.num_prompts), 64, 8, 1.0, engine.vocab_size, random.Random(args.seed + 1))
-    run(engine, warm, warm_lens, args.max_concurrency)
+    run(engine, *warm_up_workload(args.num_prompts, engine.vocab_size, args.seed), args.max_concurrency)
     result = run(engine, prompts, out_lens, args.max_concurrency)
     rows = [(k, v) for k, v in result.items() if not isinstance(v, (list, dict))]
     rows.append(("slowest 1 % of steps, by mode", result["slowest_1pct_by_mode"]))

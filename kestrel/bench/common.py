@@ -32,6 +32,20 @@ def workload(n: int, input_len: int, output_len: int, range_ratio: float, vocab_
     return random_prompts(in_lens, vocab_size, rng), out_lens
 
 
+def add_random_dataset_flags(parser, num_prompts: int, input_len: int, output_len: int, range_ratio: float) -> None:
+    """SGLang's `random` dataset flags and `--seed`, with this benchmark's defaults."""
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--random-input-len", type=int, default=input_len)
+    parser.add_argument("--random-output-len", type=int, default=output_len)
+    parser.add_argument("--random-range-ratio", type=float, default=range_ratio)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def warm_up_workload(num_prompts: int, vocab_size: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    """A few short prompts to run before the timed ones (kernels compile, the allocator settles)."""
+    return workload(min(8, num_prompts), 64, 8, 1.0, vocab_size, random.Random(seed + 1))
+
+
 def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float | None:
     """Measured device-to-device copy bandwidth in bytes/s (read + written), median of 10; None on CPU."""
     if device.type != "cuda":

@@ -14,7 +14,7 @@ import random
 
 import torch
 
-from kestrel.bench.common import StepRecorder, now, report, workload
+from kestrel.bench.common import StepRecorder, add_random_dataset_flags, now, report, warm_up_workload, workload
 from kestrel.cli import add_engine_flags, config_from_args, configure_logging
 from kestrel.core.sampling_params import SamplingParams
 
@@ -62,11 +62,7 @@ def run_transformers(model_path: str, dtype: torch.dtype, device: torch.device, 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_flags(parser)
-    parser.add_argument("--num-prompts", type=int, default=100)
-    parser.add_argument("--random-input-len", type=int, default=512)
-    parser.add_argument("--random-output-len", type=int, default=256)
-    parser.add_argument("--random-range-ratio", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
+    add_random_dataset_flags(parser, num_prompts=100, input_len=512, output_len=256, range_ratio=0.0)
     parser.add_argument("--transformers-batch-size", type=int, default=0, help="0: no transformers baseline")
     parser.add_argument("--transformers-prompts", type=int, default=256)
     parser.add_argument("--json", default=None)
@@ -77,9 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(config=config_from_args(args))
     prompts, out_lens = workload(args.num_prompts, args.random_input_len, args.random_output_len,
                                  args.random_range_ratio, engine.vocab_size, random.Random(args.seed))
-    warm_prompts, warm_lens = workload(min(8, args.num_prompts), 64, 8, 1.0, engine.vocab_size,
-                                      random.Random(args.seed + 1))
-    run_kestrel(engine, warm_prompts, warm_lens)
+    run_kestrel(engine, *warm_up_workload(args.num_prompts, engine.vocab_size, args.seed))
     recorder = StepRecorder(engine)
     result = {"workload": vars(args) | {"model": engine.config.model.model},
               "kestrel": run_kestrel(engine, prompts, out_lens)}

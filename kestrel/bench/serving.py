@@ -18,7 +18,7 @@ import json
 import random
 import time
 
-from kestrel.bench.common import median, percentile, report, workload
+from kestrel.bench.common import add_random_dataset_flags, median, percentile, report, workload
 from kestrel.bench.plot import check_plot_available, plot_sweep
 
 
@@ -122,16 +122,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:30000")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--max-concurrency", type=int, nargs="+", default=[None],
                         help="requests in flight at most (default: all at once); several values run in turn")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
-    parser.add_argument("--random-input-len", type=int, default=1000)
-    parser.add_argument("--random-output-len", type=int, default=500)
-    parser.add_argument("--random-range-ratio", type=float, default=0.2)
+    add_random_dataset_flags(parser, num_prompts=200, input_len=1000, output_len=500, range_ratio=0.2)
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="random token ids are drawn below this (default: the server's, from /server_info)")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the result here (a list under 'runs' for several "
                                                      "concurrencies)")
     parser.add_argument("--plot", default=None, help="draw throughput and latency distributions per concurrency "
