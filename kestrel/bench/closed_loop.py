@@ -14,13 +14,13 @@ made of.
 from __future__ import annotations
 
 import argparse
-import random
 import time
 from collections import Counter
 
 import torch
 
-from kestrel.bench.common import add_random_dataset_flags, median, percentile, report, warm_up_workload, workload
+from kestrel.bench.common import (add_random_dataset_flags, median, percentile, random_dataset, report,
+                                  warm_up_workload)
 from kestrel.cli import add_engine_flags, config_from_args, configure_logging
 from kestrel.core.sampling_params import SamplingParams
 
@@ -110,8 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     from kestrel.engine.engine import Engine
 
     engine = Engine(config=config_from_args(args))
-    prompts, out_lens = workload(args.num_prompts, args.random_input_len, args.random_output_len,
-                                 args.random_range_ratio, engine.vocab_size, random.Random(args.seed))
+    prompts, out_lens = random_dataset(args, engine.vocab_size)
     run(engine, *warm_up_workload(args.num_prompts, engine.vocab_size, args.seed), args.max_concurrency)
     result = run(engine, prompts, out_lens, args.max_concurrency)
     rows = [(k, v) for k, v in result.items() if not isinstance(v, (list, dict))]

@@ -41,6 +41,12 @@ def add_random_dataset_flags(parser, num_prompts: int, input_len: int, output_le
     parser.add_argument("--seed", type=int, default=0)
 
 
+def random_dataset(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """The prompts and output lengths that `add_random_dataset_flags`' flags ask for."""
+    return workload(args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
+                    vocab_size, random.Random(args.seed))
+
+
 def warm_up_workload(num_prompts: int, vocab_size: int, seed: int) -> tuple[list[list[int]], list[int]]:
     """A few short prompts to run before the timed ones (kernels compile, the allocator settles)."""
     return workload(min(8, num_prompts), 64, 8, 1.0, vocab_size, random.Random(seed + 1))

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import random
 
 import torch
 
-from kestrel.bench.common import StepRecorder, add_random_dataset_flags, now, report, warm_up_workload, workload
+from kestrel.bench.common import (StepRecorder, add_random_dataset_flags, now, random_dataset, report,
+                                  warm_up_workload)
 from kestrel.cli import add_engine_flags, config_from_args, configure_logging
 from kestrel.core.sampling_params import SamplingParams
 
@@ -71,8 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     from kestrel.engine.engine import Engine
 
     engine = Engine(config=config_from_args(args))
-    prompts, out_lens = workload(args.num_prompts, args.random_input_len, args.random_output_len,
-                                 args.random_range_ratio, engine.vocab_size, random.Random(args.seed))
+    prompts, out_lens = random_dataset(args, engine.vocab_size)
     run_kestrel(engine, *warm_up_workload(args.num_prompts, engine.vocab_size, args.seed))
     recorder = StepRecorder(engine)
     result = {"workload": vars(args) | {"model": engine.config.model.model},
