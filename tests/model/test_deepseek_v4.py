@@ -297,3 +297,44 @@ def test_engine_fp8_kv_greedy_and_bytes(weights, tmp_path) -> None:
         for _ in range(8):
             seq.append(int(ref.forward(seq, weights, reference).logits[-1].argmax()))
         assert out == seq[len(prompt):]
+
+
+# ---- other shapes -------------------------------------------------------------------------------------
+# Shapes and layer patterns unlike tier A's, so nothing in the engine leans on its sizes: odd windows,
+# 1-3 streams, head dims that are not powers of two, ratio-128 first, no hash layer or every layer hashed.
+OTHER_SHAPES = {
+    "c128-first": dataclasses.replace(
+        CFG, vocab_size=300, hidden_size=96, num_hidden_layers=3, compress_ratios=(128, 4, 0, 0),
+        num_attention_heads=3, head_dim=48, qk_rope_head_dim=8, q_lora_rank=48, o_groups=3, o_lora_rank=24,
+        sliding_window=13, index_head_dim=16, index_topk=3, hc_mult=2, n_routed_experts=5, num_experts_per_tok=2,
+        num_hash_layers=0),
+    "all-c4-hashed": dataclasses.replace(
+        CFG, vocab_size=97, hidden_size=160, num_hidden_layers=2, compress_ratios=(4, 4, 0), num_attention_heads=6,
+        head_dim=32, q_lora_rank=32, o_groups=1, o_lora_rank=16, sliding_window=4, index_topk=5, hc_mult=3,
+        n_routed_experts=3, num_experts_per_tok=3, num_hash_layers=2, routed_scaling_factor=2.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_SHAPES))
+def test_engine_on_other_shapes_equals_the_reference(name, tmp_path) -> None:
+    """Through the Engine, three prompts (one past a ratio-128 block) prefilled in chunks of 50 and decoded
+    together: greedy tokens = the reference's; and the incremental path's logits = the reference's."""
+    from kestrel import Engine, SamplingParams
+
+    cfg = OTHER_SHAPES[name]
+    weights = ref.random_weights(cfg, seed=7)
+    _checkpoint(cfg, weights, tmp_path)
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (150, 41, 9)]
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    with Engine(model=str(tmp_path), device="cpu", dtype="float32", max_total_tokens=2048,
+                chunked_prefill_size=50) as engine:
+        outs = [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling_params=params)]
+    seqs = []
+    for prompt, out in zip(prompts, outs):
+        seqs.append(list(prompt))
+        for _ in range(4):
+            seqs[-1].append(int(ref.forward(seqs[-1], weights, cfg).logits[-1].argmax()))
+        assert out == seqs[-1][len(prompt):]
+    got = V4Harness(reference_model(cfg, weights), 1).logits([seqs[0]])[0]
+    torch.testing.assert_close(got, ref.forward(seqs[0], weights, cfg).logits, atol=ATOL, rtol=0)
