@@ -12,8 +12,9 @@ Two ways to get the FP8 activations, chosen by the size of M:
 When the grid has too few programs to fill the GPU (small M and N), the reduction is split over K into
 float32 partials, which a second kernel sums, biases and casts.
 
-For M <= GEMV_MAX_M (decode at batch 1 to 8) there is a GEMV instead (`GemvConfig`): at such M a step only
-streams the weights, and tl.dot pads M to 16 and holds few weight bytes in flight per program. Each GEMV
+For M up to GEMV_LIMIT_M (decode at batch 1 to 8) there is also a GEMV (`GemvConfig`; default_config picks it
+for M <= GEMV_MAX_M): at such M a step only streams the weights, and tl.dot pads M to 16 and holds few
+weight bytes in flight per program. Each GEMV
 program owns BLOCK_N output rows and a range of K, loads BLOCK_K-wide strips of FP8 weights, converts them
 in registers and reduces with tl.sum on CUDA cores, the activations quantized as above. The same kernel with
 SCALED off takes bf16/fp16 weights without scales (`gemv`, measured by scripts/bench_fp8.py only).
@@ -55,7 +56,7 @@ class GemmConfig:
 @dataclass(frozen=True)
 class GemvConfig:
     """The GEMV path (M <= GEMV_LIMIT_M): programs of block_n output rows x one split of K, each iteration
-    one block_k-wide strip of every row (block_k bytes of FP8 per row)."""
+    one block_k-wide strip of every row (block_k bytes of FP8, or 2 x block_k of bf16, per row)."""
     block_n: int = 16  # divides 128: a program's rows share one weight scale per 128 inputs
     block_k: int = 512  # a multiple of 128: whole activation groups per strip
     split_k: int = 1
@@ -130,15 +131,15 @@ def _gemm_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, str
             part = tl.dot(xq, w)  # FP8 x FP8 on tensor cores, float32 accumulate
         acc += part * (x_s[:, None] * tl.load(w_scale_row + kb))
     _store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_ym, stride_pk, stride_pm, HAS_BIAS,
-                SPLIT_K)
+                SPLIT_K > 1)
 
 
 @triton_jit
 def _store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_ym, stride_pk, stride_pm,
-                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+                HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
     """A program's float32 [rows, cols] result: biased and cast into Y, or, split over K, into its partial."""
     mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
+    if not PARTIAL:
         if HAS_BIAS:
             acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
@@ -148,11 +149,12 @@ def _store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_y
 
 @triton_jit
 def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym,
-                 stride_pk, stride_pm, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, FUSED_QUANT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 EXACT_ROUND: tl.constexpr):
+                 stride_pk, stride_pm, split_k, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
+                 FUSED_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PARTIAL: tl.constexpr, EXACT_ROUND: tl.constexpr):
     # One program: BLOCK_N weight rows x one split of K, for all M tokens at once, so each weight byte is
-    # read once per step. No tensor cores: products in float32 registers, tl.sum over each strip.
+    # read once per step. No tensor cores: products in float32 registers, tl.sum over each strip. split_k
+    # is not a constexpr, so a sweep over it compiles once.
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -160,7 +162,7 @@ def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, str
     m_mask = offs_m < M
     n_mask = offs_n < N
     strips = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(strips, SPLIT_K)
+    per_split = tl.cdiv(strips, split_k)
     lo = split * per_split
     hi = tl.minimum(lo + per_split, strips)
     w_scale_row = W_s + (pid_n * BLOCK_N // 128) * stride_wsn  # BLOCK_N divides 128: one scale row per program
@@ -185,7 +187,7 @@ def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, str
                     other=0.0)
         acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], 2)
     _store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_ym, stride_pk, stride_pm, HAS_BIAS,
-                SPLIT_K)
+                PARTIAL)
 
 
 @triton_jit
@@ -212,10 +214,15 @@ def _sms(device: torch.device) -> int:
 
 
 def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig | GemvConfig:
-    """Tiles by M; split K when the tiles alone would leave most SMs idle (decode shapes).
-    A first guess, to be replaced by what scripts/bench_fp8.py measures on the H200."""
+    """The GEMV up to GEMV_MAX_M rows, the tl.dot tiles above."""
     if m <= GEMV_MAX_M:
         return default_gemv_config(m, n, k, device)
+    return default_dot_config(m, n, k, device)
+
+
+def default_dot_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
+    """Tiles by M; split K when the tiles alone would leave most SMs idle (decode shapes).
+    A first guess, to be replaced by what scripts/bench_fp8.py measures on the H200."""
     sms = _sms(device)
     if m > FUSED_QUANT_MAX_M:
         return GemmConfig(block_m=128 if m >= 128 else 64, block_n=128, num_warps=8, num_stages=3,
@@ -233,17 +240,20 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig |
 def default_gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
     """16 rows x 512 inputs per strip (8 KiB of FP8) at M = 1, the strip narrowed as M grows so the
     float32 products stay at 8K per program; K split until there are 4 programs per SM (a weight-streaming
-    kernel needs many loads in flight per SM), each keeping at least 4 strips. A first guess, like
-    default_config's."""
-    block_m = triton.next_power_of_2(m)
+    kernel needs many loads in flight per SM). A first guess, like default_dot_config's."""
     block_n = 16
-    block_k = max(BLOCK, 8192 // (block_m * block_n))
+    block_k = max(BLOCK, 8192 // (triton.next_power_of_2(max(m, 1)) * block_n))
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=gemv_split_k(n, k, block_n, block_k, device))
+
+
+def gemv_split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device) -> int:
+    """Splits of K doubled until there are 4 GEMV programs per SM, each keeping at least 4 strips."""
     programs = triton.cdiv(n, block_n)
     strips = triton.cdiv(k, block_k)
     split = 1
     while programs * split < 4 * _sms(device) and strips >= 8 * split:
         split *= 2
-    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split)
+    return split
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,9 +269,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
-             config: GemmConfig | None = None) -> torch.Tensor:
+             config: GemmConfig | GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] (float) @ weight [N, K] (float8_e4m3fn, 128 x 128 block scales [ceil(N/128), ceil(K/128)])^T
-    (+ bias) -> [M, N] in x's dtype."""
+    (+ bias) -> [M, N] in x's dtype. A GemvConfig (M <= GEMV_LIMIT_M) runs `gemv`, a GemmConfig tl.dot."""
     m, k = x.shape
     n = weight.shape[0]
     cfg = config or default_config(m, n, k, x.device)
@@ -333,9 +343,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor |
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         xq, x_s, weight, w_s, y, partial, bias if bias is not None else y, m, n, k,
         xq.stride(0), x_s.stride(0), weight.stride(0), w_s.stride(0), y.stride(0),
-        partial.stride(0), partial.stride(1) if cfg.split_k > 1 else 0,
+        partial.stride(0), partial.stride(1) if cfg.split_k > 1 else 0, cfg.split_k,
         HAS_BIAS=bias is not None, SCALED=scaled, FUSED_QUANT=cfg.fused_quant, BLOCK_M=triton.next_power_of_2(m),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, EXACT_ROUND=envs.triton_interpret(),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIAL=cfg.split_k > 1, EXACT_ROUND=envs.triton_interpret(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         _sum_splits(partial, y, bias, cfg.split_k)
