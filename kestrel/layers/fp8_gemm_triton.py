@@ -185,7 +185,11 @@ def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, str
             x = x * tl.load(w_scale_row + groups, mask=k_mask, other=0.0)[None, :]
         w = tl.load(W + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
                     other=0.0)
-        acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+        w = w.to(tl.float32)
+        if BLOCK_M == 1:  # batch 1: a 2-D product in the weight tile's own layout, nothing to convert
+            acc += tl.sum(w * x, 1)[None, :]
+        else:
+            acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
     _store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_ym, stride_pk, stride_pm, HAS_BIAS,
                 PARTIAL)
 
