@@ -12,12 +12,12 @@ Two ways to get the FP8 activations, chosen by the size of M:
 When the grid has too few programs to fill the GPU (small M and N), the reduction is split over K into
 float32 partials, which a second kernel sums, biases and casts.
 
-For M up to GEMV_LIMIT_M (decode at batch 1 to 8) there is also a GEMV (`GemvConfig`; default_config picks it
-for M <= GEMV_MAX_M): at such M a step only streams the weights, and tl.dot pads M to 16 and holds few
-weight bytes in flight per program. Each GEMV
-program owns BLOCK_N output rows and a range of K, loads BLOCK_K-wide strips of FP8 weights, converts them
-in registers and reduces with tl.sum on CUDA cores, the activations quantized as above. The same kernel with
-SCALED off takes bf16/fp16 weights without scales (`gemv`, measured by scripts/bench_fp8.py only).
+For M up to GEMV_LIMIT_M (decode at batch 1 to 8) there is also a GEMV (`GemvConfig`; default_config picks
+it for M <= GEMV_MAX_M): at such M a step only streams the weights, and tl.dot pads M to 16 and holds few
+weight bytes in flight per program. Each GEMV program owns BLOCK_N output rows and a range of K, loads
+BLOCK_K-wide strips of FP8 weights, converts them in registers and reduces with tl.sum on CUDA cores, the
+activations quantized as above. The same kernel with SCALED off takes bf16/fp16 weights without scales
+(`gemv`, measured by scripts/bench_fp8.py only).
 """
 from __future__ import annotations
 
