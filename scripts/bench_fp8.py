@@ -202,9 +202,9 @@ def bench_gemms(weights: dict, bandwidth: float, ms_list=MS, scaled_mm: bool = T
                 gcfg = default_gemv_config(m, n, k, x.device)
                 measure(rows, bandwidth, shape, m, "triton_gemv", [lambda q=q, s=s: fp8_gemm(x, q, s, config=gcfg)
                                                                    for q, s in w_fp8], fp8_bytes, config=repr(gcfg))
-            if m == 1:  # bf16 weights through the same GEMV (not used by the models: the bench only)
-                measure(rows, bandwidth, shape, m, "bf16_gemv", [lambda w=w: gemv(x, w, config=gcfg) for w in w_bf16],
-                        2 * n * k, config=repr(gcfg))
+                if m == 1:  # bf16 weights through the same GEMV (not used by the models: the bench only)
+                    measure(rows, bandwidth, shape, m, "bf16_gemv", [lambda w=w: gemv(x, w, config=gcfg)
+                                                                     for w in w_bf16], 2 * n * k, config=repr(gcfg))
     return rows
 
 
