@@ -11,6 +11,13 @@ Two ways to get the FP8 activations, chosen by the size of M:
   programs would cost a fraction of the tensor-core time on CUDA cores.
 When the grid has too few programs to fill the GPU (small M and N), the reduction is split over K into
 float32 partials, which a second kernel sums, biases and casts.
+
+For M up to GEMV_LIMIT_M (decode at batch 1 to 8) there is also a GEMV (`GemvConfig`; default_config picks
+it for M <= GEMV_MAX_M): at such M a step only streams the weights, and tl.dot pads M to 16 and holds few
+weight bytes in flight per program. Each GEMV program owns BLOCK_N output rows and a range of K, loads
+BLOCK_K-wide strips of FP8 weights, converts them in registers and reduces with tl.sum on CUDA cores, the
+activations quantized as above. The same kernel with SCALED off takes bf16/fp16 weights without scales
+(`gemv`, measured by scripts/bench_fp8.py only).
 """
 from __future__ import annotations
 
@@ -28,6 +35,12 @@ from kestrel.quant.fp8_triton import to_fp8
 
 # The largest M whose activations are quantized inside the GEMM (see the module docstring).
 FUSED_QUANT_MAX_M = 64
+# The largest M that default_config gives the GEMV. 0 (never) until scripts/bench_fp8.py's GEMV rows on the
+# H200 show where it beats the tl.dot path; then set it from them (at most GEMV_LIMIT_M).
+GEMV_MAX_M = 0
+# The largest M the GEMV takes: a weight byte costs M FMAs on CUDA cores, and at M = 8 streaming the H200's
+# 4.8 TB/s already asks 8 x 4.8e12 FMA/s = 77 TFLOP/s, above its ~67 TFLOP/s of float32. Past that, tl.dot.
+GEMV_LIMIT_M = 8
 
 
 @dataclass(frozen=True)
@@ -38,6 +51,18 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     fused_quant: bool = True
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """The GEMV path (M <= GEMV_LIMIT_M): programs of block_n output rows x one split of K, each iteration
+    one block_k-wide strip of every row (block_k bytes of FP8, or 2 x block_k of bf16, per row)."""
+    block_n: int = 16  # divides 128: a program's rows share one weight scale per 128 inputs
+    block_k: int = 512  # a multiple of 128: whole activation groups per strip
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    fused_quant: bool = True  # False: quantize_activations first (one more launch, no per-program quantizing)
 
 
 @triton_jit
@@ -105,15 +130,68 @@ def _gemm_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, str
         else:
             part = tl.dot(xq, w)  # FP8 x FP8 on tensor cores, float32 accumulate
         acc += part * (x_s[:, None] * tl.load(w_scale_row + kb))
+    _store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_ym, stride_pk, stride_pm, HAS_BIAS,
+                SPLIT_K > 1)
 
-    if SPLIT_K == 1:
+
+@triton_jit
+def _store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_ym, stride_pk, stride_pm,
+                HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    """A program's float32 [rows, cols] result: biased and cast into Y, or, split over K, into its partial."""
+    mask = m_mask[:, None] & n_mask[None, :]
+    if not PARTIAL:
         if HAS_BIAS:
             acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-                 mask=m_mask[:, None] & n_mask[None, :])
+        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
     else:
-        tl.store(P + split * stride_pk + offs_m[:, None] * stride_pm + offs_n[None, :], acc,
-                 mask=m_mask[:, None] & n_mask[None, :])
+        tl.store(P + split * stride_pk + offs_m[:, None] * stride_pm + offs_n[None, :], acc, mask=mask)
+
+
+@triton_jit
+def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym,
+                 stride_pk, stride_pm, split_k, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
+                 FUSED_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PARTIAL: tl.constexpr, EXACT_ROUND: tl.constexpr):
+    # One program: BLOCK_N weight rows x one split of K, for all M tokens at once, so each weight byte is
+    # read once per step. No tensor cores: products in float32 registers, tl.sum over each strip. split_k
+    # is not a constexpr, so a sweep over it compiles once.
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    strips = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(strips, split_k)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, strips)
+    w_scale_row = W_s + (pid_n * BLOCK_N // 128) * stride_wsn  # BLOCK_N divides 128: one scale row per program
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for strip in range(lo, hi):
+        offs_k = strip * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x_mask = m_mask[:, None] & k_mask[None, :]
+        x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        if SCALED:
+            # Both scales go onto the activation, which is BLOCK_N times smaller than the weight strip:
+            # x_k * x_scale(group) * w_scale(group), then one product per weight.
+            groups = offs_k // 128
+            if FUSED_QUANT:
+                xq, x_s = _quant_tile(tl.reshape(x, [BLOCK_M * (BLOCK_K // 128), 128]), EXACT_ROUND)
+                x = tl.reshape(xq.to(tl.float32) * x_s[:, None], [BLOCK_M, BLOCK_K])
+            else:
+                x = x * tl.load(X_s + offs_m[:, None] * stride_xsm + groups[None, :], mask=x_mask, other=0.0)
+            x = x * tl.load(w_scale_row + groups, mask=k_mask, other=0.0)[None, :]
+        w = tl.load(W + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        w = w.to(tl.float32)
+        if BLOCK_M == 1:  # batch 1: a 2-D product in the weight tile's own layout, nothing to convert
+            acc += tl.sum(w * x, 1)[None, :]
+        else:
+            acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
+    _store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_ym, stride_pk, stride_pm, HAS_BIAS,
+                PARTIAL)
 
 
 @triton_jit
@@ -135,10 +213,21 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
+def _sms(device: torch.device) -> int:
+    return _num_sms(device.index or 0) if device.type == "cuda" else 132
+
+
+def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig | GemvConfig:
+    """The GEMV up to GEMV_MAX_M rows, the tl.dot tiles above."""
+    if m <= GEMV_MAX_M:
+        return default_gemv_config(m, n, k, device)
+    return default_dot_config(m, n, k, device)
+
+
+def default_dot_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
     """Tiles by M; split K when the tiles alone would leave most SMs idle (decode shapes).
     A first guess, to be replaced by what scripts/bench_fp8.py measures on the H200."""
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
+    sms = _sms(device)
     if m > FUSED_QUANT_MAX_M:
         return GemmConfig(block_m=128 if m >= 128 else 64, block_n=128, num_warps=8, num_stages=3,
                           fused_quant=False)
@@ -150,6 +239,25 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
     while tiles * split < 2 * sms and k_blocks >= 8 * split:
         split *= 2
     return GemmConfig(block_m=block_m, block_n=block_n, split_k=split, num_warps=4, num_stages=4)
+
+
+def default_gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
+    """16 rows x 512 inputs per strip (8 KiB of FP8) at M = 1, the strip narrowed as M grows so the
+    float32 products stay at 8K per program; K split until there are 4 programs per SM (a weight-streaming
+    kernel needs many loads in flight per SM). A first guess, like default_dot_config's."""
+    block_n = 16
+    block_k = max(BLOCK, 8192 // (triton.next_power_of_2(max(m, 1)) * block_n))
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=gemv_split_k(n, k, block_n, block_k, device))
+
+
+def gemv_split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device) -> int:
+    """Splits of K doubled until there are 4 GEMV programs per SM, each keeping at least 4 strips."""
+    programs = triton.cdiv(n, block_n)
+    strips = triton.cdiv(k, block_k)
+    split = 1
+    while programs * split < 4 * _sms(device) and strips >= 8 * split:
+        split *= 2
+    return split
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,14 +273,16 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
-             config: GemmConfig | None = None) -> torch.Tensor:
+             config: GemmConfig | GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] (float) @ weight [N, K] (float8_e4m3fn, 128 x 128 block scales [ceil(N/128), ceil(K/128)])^T
-    (+ bias) -> [M, N] in x's dtype."""
+    (+ bias) -> [M, N] in x's dtype. A GemvConfig (M <= GEMV_LIMIT_M) runs `gemv`, a GemmConfig tl.dot."""
     m, k = x.shape
     n = weight.shape[0]
+    cfg = config or default_config(m, n, k, x.device)
+    if isinstance(cfg, GemvConfig):
+        return gemv(x, weight, weight_scale_inv, bias, cfg)
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("fp8_gemm needs row-major x and weight (inner stride 1)")
-    cfg = config or default_config(m, n, k, x.device)
     if BLOCK % cfg.block_n:
         raise ValueError(f"block_n must divide {BLOCK} (one weight scale per tile), got {cfg.block_n}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -193,8 +303,54 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
         SPLIT_K=cfg.split_k, GROUP_M=8, UPCAST=interpret, EXACT_ROUND=interpret,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
-        block = min(1024, triton.next_power_of_2(n))
-        _split_sum_kernel[(m, triton.cdiv(n, block))](
-            partial, y, bias if bias is not None else y, m, n, partial.stride(0), partial.stride(1), y.stride(0),
-            SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None, BLOCK=block)
+        _sum_splits(partial, y, bias, cfg.split_k)
+    return y
+
+
+def _sum_splits(partial: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, split_k: int) -> None:
+    """y = sum of the float32 partials [split_k, M, N] (+ bias), in a fixed order: deterministic."""
+    m, n = y.shape
+    block = min(1024, triton.next_power_of_2(n))
+    _split_sum_kernel[(m, triton.cdiv(n, block))](
+        partial, y, bias if bias is not None else y, m, n, partial.stride(0), partial.stride(1), y.stride(0),
+        SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor | None = None,
+         bias: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] (float, M <= GEMV_LIMIT_M) @ weight [N, K]^T (+ bias) -> [M, N] in x's dtype, on CUDA cores.
+    weight float8_e4m3fn with its 128 x 128 block scales: fp8_gemm's numerics (activations quantized per
+    token and 128 inputs). weight_scale_inv None: a float weight taken as it is (bf16 decode; measured by
+    scripts/bench_fp8.py, not used by the models)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    scaled = weight_scale_inv is not None
+    if m > GEMV_LIMIT_M:
+        raise ValueError(f"the GEMV takes at most {GEMV_LIMIT_M} rows of x (got {m}): use fp8_gemm's tl.dot path")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("gemv needs row-major x and weight (inner stride 1)")
+    cfg = config or default_gemv_config(m, n, k, x.device)
+    if cfg.block_n & (cfg.block_n - 1) or cfg.block_k & (cfg.block_k - 1):
+        raise ValueError(f"block_n and block_k must be powers of two, got {cfg.block_n} and {cfg.block_k}")
+    if scaled and (BLOCK % cfg.block_n or cfg.block_k % BLOCK):
+        raise ValueError(f"with FP8 weights block_n must divide {BLOCK} and block_k be a multiple of it "
+                         f"(whole scale blocks per program and strip), got {cfg.block_n} and {cfg.block_k}")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    if scaled and not cfg.fused_quant:
+        xq, x_s = quantize_activations(x)
+    else:
+        xq, x_s = x, x  # x_s unused: the kernel quantizes x itself, or the weight has no scales
+    w_s = weight_scale_inv if scaled else weight  # unused without scales
+    partial = y if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
+        xq, x_s, weight, w_s, y, partial, bias if bias is not None else y, m, n, k,
+        xq.stride(0), x_s.stride(0), weight.stride(0), w_s.stride(0), y.stride(0),
+        partial.stride(0), partial.stride(1) if cfg.split_k > 1 else 0, cfg.split_k,
+        HAS_BIAS=bias is not None, SCALED=scaled, FUSED_QUANT=cfg.fused_quant, BLOCK_M=triton.next_power_of_2(m),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIAL=cfg.split_k > 1, EXACT_ROUND=envs.triton_interpret(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.split_k > 1:
+        _sum_splits(partial, y, bias, cfg.split_k)
     return y
