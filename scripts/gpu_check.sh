@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, the CPU suite on the device's torch/transformers, and quick benchmarks.
 # Usage (on the GPU machine, from the repo root): bash scripts/gpu_check.sh [stage ...]
+# The offline stages take engine flags from OFFLINE_FLAGS and add OFFLINE_TAG to their JSON's name, e.g.
+#   OFFLINE_FLAGS="--kv-cache-dtype fp8_e4m3" OFFLINE_TAG=_fp8kv bash scripts/gpu_check.sh offline4k_r0
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
@@ -40,6 +42,6 @@ for stage in $stages; do
       r=${stage#offline4k_r}
       timeout ${OFFLINE4K_TIMEOUT:-290} python3 -m kestrel.bench.offline --model kestrel/assets/configs/llama-3.1-8b \
         --load-format dummy --num-prompts ${OFFLINE4K_PROMPTS:-500} --random-input-len 4096 --random-output-len 2048 --random-range-ratio $r \
-        --json "$OUT/offline_4096_2048_r$r.json" 2>&1 | tail -10 ;;
+        --json "$OUT/offline_4096_2048_r$r${OFFLINE_TAG:-}.json" ${OFFLINE_FLAGS:-} 2>&1 | tail -10 ;;
   esac
 done
