@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.attention.triton.decode import LengthAwareSplit, SplitPlan, decode_attention, length_aware_plan
+from kestrel.attention.triton.decode import (LengthAwareSplit, SplitPlan, decode_attention, length_aware_plan,
+                                             uniform_splits)
 from kestrel.attention.triton.extend import extend_attention
 from kestrel.attention.triton.store import store_kv
 from kestrel.cache.kv_memory import KVPools
@@ -34,13 +35,12 @@ class TritonBackend:
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.forward_mode is ForwardMode.DECODE:
-            # Uniform rule: split each sequence so that about 128 programs run (the GPU has 132 SMs).
-            # Derived from the batch size alone (never from host-side lengths), so a captured graph stays
-            # valid for every replay; a replay uses its padded bucket's split count, which may differ from
-            # an eager step's, so the two agree to rounding, not bit for bit. The length-aware plan reads
-            # the lengths on the device only, so a replay recomputes it from the step it serves.
+            # Uniform rule: from the batch size alone (never from host-side lengths), so a captured graph
+            # stays valid for every replay; a replay uses its padded bucket's split count, which may differ
+            # from an eager step's, so the two agree to rounding, not bit for bit. The length-aware plan
+            # reads the lengths on the device only, so a replay recomputes it from the step it serves.
             kv_heads = self.pools.layout.groups[0].buffers[0].shape[0]
-            self._num_splits = max(1, min(16, 128 // (batch.batch_size * kv_heads)))
+            self._num_splits = uniform_splits(batch.batch_size, kv_heads)
             if self.decode_split is not None:  # device ops on the lengths, captured with the graph
                 self._split_plan = length_aware_plan(batch.seq_lens, kv_heads, self.decode_split)
         else:

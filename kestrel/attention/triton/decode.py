@@ -119,6 +119,12 @@ def _decode_merge_kernel(
     tl.store(O + b * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
 
 
+def uniform_splits(batch_size: int, num_kv_heads: int) -> int:
+    """The uniform policy's split count: about 128 programs (the H200 has 132 SMs), at most 16 splits.
+    From the batch size alone, so a captured graph stays valid for every replay."""
+    return max(1, min(16, 128 // (batch_size * num_kv_heads)))
+
+
 @dataclass(frozen=True)
 class LengthAwareSplit:
     """The length-aware split policy's settings (host ints: a captured graph keeps them).
