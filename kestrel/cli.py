@@ -27,6 +27,8 @@ HELP = {
     "piecewise_cuda_graph_max_tokens": "largest step, in new tokens, that piecewise CUDA graphs serve "
                                        "(default 2048); larger steps run eagerly",
     "attention_backend": "attention backend for both phases (e.g. torch_native)",
+    "triton_decode_split": "uniform (default) or length: how the Triton decode kernel splits keys over programs; "
+                           "length cuts each request into chunks of equal size (docs/benchmarks.md)",
     "speculative_algorithm": "EAGLE, EAGLE3, NEXTN, STANDALONE or NGRAM (as SGLang spells them)",
     "speculative_draft_model_path": "the draft: an EAGLE/EAGLE-3 head or a small LM folder, or a bundled name "
                                     "(demo-eagle, demo-draft); NEXTN defaults to the target",

@@ -16,6 +16,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+TRITON_DECODE_SPLITS = ("uniform", "length")
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,17 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Inputs of `kestrel.attention.registry.attention_backends()`, the only reader of these fields."""
+    """Inputs of `kestrel.attention.registry.attention_backends()`, the only reader of the three backend
+    fields; the registry's Triton factory reads `triton_decode_split`."""
 
     attention_backend: str | None = None
     prefill_attention_backend: str | None = None
     decode_attention_backend: str | None = None
+    # How the Triton decode kernel splits a batch's keys over programs: "uniform" (every request in the
+    # same number of chunks, from the batch size) or "length" (chunks of equal size, each request cut by
+    # its own length; kestrel.attention.triton.decode). Uniform until the H200 measurement
+    # (scripts/bench_decode_mixed.py) says otherwise.
+    triton_decode_split: str = "uniform"
 
 
 @dataclass(frozen=True)
@@ -239,6 +246,9 @@ class EngineConfig:
             raise ValueError("piecewise_cuda_graph_max_tokens must be >= 1, got "
                              f"{self.cuda_graph.piecewise_cuda_graph_max_tokens}")
         _check_server(self.server)
+        if self.attention.triton_decode_split not in TRITON_DECODE_SPLITS:
+            raise ValueError(f"triton_decode_split must be one of {', '.join(TRITON_DECODE_SPLITS)}, "
+                             f"got {self.attention.triton_decode_split!r}")
         check_parallel(self.parallel, hf, device, speculative, quantization)
         out = dataclasses.replace(
             self, device=device, cache=cache, scheduler=scheduler, speculative=speculative,

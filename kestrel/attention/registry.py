@@ -83,9 +83,15 @@ def _triton_unavailable(config: "EngineConfig") -> str | None:
 @register("triton", unavailable=_triton_unavailable, triton_kernels=True, library=("triton", "3.1"), cuda_graph=True,
           piecewise_cuda_graph=True)
 def _triton(pools, req_to_token, config):
+    from kestrel.attention.triton.decode import LengthAwareSplit
     from kestrel.attention.triton_backend import TritonBackend
 
-    return "triton", TritonBackend(pools, req_to_token, upcast=config.device == "cpu", name="triton")
+    cpu = config.device == "cpu"
+    split = None
+    if config.attention.triton_decode_split == "length":
+        # The interpreter's test sequences are a few dozen tokens: chunks of 8 keys give them several.
+        split = LengthAwareSplit(min_chunk=8) if cpu else LengthAwareSplit()
+    return "triton", TritonBackend(pools, req_to_token, upcast=cpu, name="triton", decode_split=split)
 
 
 def _sdpa_unavailable(config: "EngineConfig") -> str | None:

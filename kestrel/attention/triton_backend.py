@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.attention.triton.decode import decode_attention
+from kestrel.attention.triton.decode import (LengthAwareSplit, SplitPlan, decode_attention, length_aware_plan,
+                                             uniform_splits)
 from kestrel.attention.triton.extend import extend_attention
 from kestrel.attention.triton.store import store_kv
 from kestrel.cache.kv_memory import KVPools
@@ -18,24 +19,30 @@ SPLIT_MAX_EXTEND = 16  # new tokens per request up to which the extend kernel sp
 
 class TritonBackend:
     """DECODE batches go to the split-K decode kernel; every other mode (verify trees included) to the
-    extend kernel."""
+    extend kernel. `decode_split`: None splits every request of a decode batch alike (the uniform rule
+    below); a LengthAwareSplit cuts each request by its own length (kestrel.attention.triton.decode)."""
 
-    def __init__(self, pools: KVPools, req_to_token: ReqToTokenPool, upcast: bool, name: str = "triton") -> None:
+    def __init__(self, pools: KVPools, req_to_token: ReqToTokenPool, upcast: bool, name: str = "triton",
+                 decode_split: LengthAwareSplit | None = None) -> None:
         self.name = name
         self.pools = pools
         self.req_to_token = req_to_token
         self.upcast = upcast  # the interpreter computes bf16/fp16 dots wrong: upcast after load there
+        self.decode_split = decode_split
         self._q_starts: torch.Tensor | None = None
         self._num_splits = 1
+        self._split_plan: SplitPlan | None = None
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.forward_mode is ForwardMode.DECODE:
-            # Split each sequence so that about 128 programs run (the GPU has 132 SMs). Derived from the
-            # batch size alone (never from lengths), so a captured graph stays valid for every replay; a
-            # replay uses its padded bucket's split count, which may differ from an eager step's, so the
-            # two agree to rounding, not bit for bit.
+            # Uniform rule: from the batch size alone (never from host-side lengths), so a captured graph
+            # stays valid for every replay; a replay uses its padded bucket's split count, which may differ
+            # from an eager step's, so the two agree to rounding, not bit for bit. The length-aware plan
+            # reads the lengths on the device only, so a replay recomputes it from the step it serves.
             kv_heads = self.pools.layout.groups[0].buffers[0].shape[0]
-            self._num_splits = max(1, min(16, 128 // (batch.batch_size * kv_heads)))
+            self._num_splits = uniform_splits(batch.batch_size, kv_heads)
+            if self.decode_split is not None:  # device ops on the lengths, captured with the graph
+                self._split_plan = length_aware_plan(batch.seq_lens, kv_heads, self.decode_split)
         else:
             self._q_starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
 
@@ -48,7 +55,7 @@ class TritonBackend:
         if batch.forward_mode is ForwardMode.DECODE:  # the decode kernel stores the new K/V itself
             decode_attention(q, k, v, kv.k, kv.v, out, table, batch.req_pool_indices, batch.seq_lens,
                              batch.out_cache_loc, layer.scaling, layer.sliding_window, self.upcast,
-                             self._num_splits, kv.k_scale, kv.v_scale)
+                             self._num_splits, kv.k_scale, kv.v_scale, split_plan=self._split_plan)
         else:
             store_kv(k, v, kv.k, kv.v, batch.out_cache_loc, kv.k_scale, kv.v_scale)
             tree = batch.tree_mask.view(torch.uint8) if batch.tree_mask is not None else None

@@ -24,6 +24,7 @@ LAUNCHES = [
     {"decode_attention_backend": "triton"},
     {"prefill_attention_backend": "triton", "decode_attention_backend": "torch_native"},
     {"prefill_attention_backend": "torch_native", "decode_attention_backend": "triton"},
+    {"decode_attention_backend": "triton", "triton_decode_split": "length"},  # chunks of 8 keys on CPU
 ]
 
 

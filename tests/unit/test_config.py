@@ -45,6 +45,7 @@ def test_resolver_never_returns_none_and_maps_aliases(model_dir, monkeypatch, fi
     ({"chunked_prefill_size": 0}, "chunked_prefill_size"), ({"mem_fraction_static": 1.5}, "mem_fraction_static"),
     ({"max_running_requests": 0}, "max_running_requests"), ({"speculative_attention_mode": "both"},
                                                             "speculative_attention_mode"),
+    ({"triton_decode_split": "ragged"}, "triton_decode_split"),
 ])
 def test_bad_values_name_the_field(model_dir, bad, field):
     with pytest.raises(ValueError, match=field):
