@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python scripts/bench_decode_mixed.py        # table last, JSON to $OUT/decode_mixed.json
 
-One layer of the Llama-3.1-8B shape (32 query heads, 8 KV heads, head_dim 128, bf16, page size 1 with
-scattered slots) through `decode_attention`, as the Triton backend calls it, for each case below and
+One layer of the Llama-3.1-8B shape (32 query heads, 8 KV heads, head_dim 128, bf16 or with
+`--kv-dtype fp8_e4m3` an FP8 pool, page size 1 with scattered slots) through `decode_attention`, as the Triton backend calls it, for each case below and
 each policy: `uniform` (the backend's default rule, `uniform_splits`), `length/T` (the length-aware
 split aiming at T programs, `LengthAwareSplit(target_programs=T)`, the engine's with T = 4096) and
 `chunk/C` (length-aware with a fixed chunk of C keys: min_chunk = C, no program target). Cases (lengths drawn with a fixed seed):
@@ -87,15 +87,16 @@ def graph_median(fn, reps: int) -> float:
 class Case:
     """The KV of one case, `copies` times over (each copy its own scattered slots and table rows)."""
 
-    def __init__(self, lengths: list[int], seed: int) -> None:
+    def __init__(self, lengths: list[int], seed: int, kv_dtype: torch.dtype) -> None:
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.lengths = lengths
         batch, tokens = len(lengths), sum(lengths)
-        self.kv_bytes = 2 * tokens * KV_HEADS * HEAD_DIM * 2  # K and V, bf16
+        self.kv_bytes = 2 * tokens * KV_HEADS * HEAD_DIM * kv_dtype.itemsize  # K and V
         self.copies = max(1, min(8, math.ceil(L2_BYTES / self.kv_bytes)))
         slots = self.copies * tokens + 1  # slot 0 unused, as in the engine
-        self.k_buf = torch.randn(slots, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
-        self.v_buf = torch.randn_like(self.k_buf)
+        self.k_buf = torch.randn(slots, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                                 generator=gen).to(kv_dtype)
+        self.v_buf = torch.randn(self.k_buf.shape, device="cuda", dtype=torch.bfloat16, generator=gen).to(kv_dtype)
         perm = torch.randperm(slots - 1, device="cuda", generator=gen) + 1
         self.table = torch.zeros(self.copies * batch, max(lengths), dtype=torch.int64, device="cuda")
         used = 0
@@ -109,7 +110,8 @@ class Case:
         self.out = torch.empty_like(self.q)
         # The new token's K/V is stored by the kernel at the row's last slot: store what is already there.
         self.new_slots = [self.table[r, self.seq - 1].contiguous() for r in self.rows]
-        self.new_kv = [(self.k_buf[s].flatten(1).clone(), self.v_buf[s].flatten(1).clone()) for s in self.new_slots]
+        self.new_kv = [(self.k_buf[s].flatten(1).to(torch.bfloat16), self.v_buf[s].flatten(1).to(torch.bfloat16))
+                       for s in self.new_slots]
 
 
 def run_policy(case: Case, policy, block_n: int, plan_inside: bool):
@@ -141,6 +143,8 @@ def main() -> None:
                              "(default: 512 1024 2048)")
     parser.add_argument("--max-splits", type=int, default=16, help="length-aware max_splits (default 16)")
     parser.add_argument("--block-n", type=int, default=64)
+    parser.add_argument("--kv-dtype", choices=("bf16", "fp8_e4m3"), default="bf16",
+                        help="the pool's dtype (fp8_e4m3: half the bytes per key, dequantized in registers)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "decode_mixed.json"))
@@ -161,7 +165,7 @@ def main() -> None:
     rows = []
     for i, name in enumerate(args.cases):
         lengths = case_lengths(name, random.Random(args.seed * 100 + i))
-        case = Case(lengths, args.seed + i)
+        case = Case(lengths, args.seed + i, torch.bfloat16 if args.kv_dtype == "bf16" else torch.float8_e4m3fn)
         batch = len(lengths)
         print(f"{name}: batch {batch}, contexts {min(lengths)}-{max(lengths)} (mean {sum(lengths) / batch:.0f}), "
               f"KV {case.kv_bytes / 2**20:.0f} MiB per call, {case.copies} cop{'y' if case.copies == 1 else 'ies'}")
@@ -195,7 +199,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth_bytes_s": bandwidth,
-                   "block_n": args.block_n, "max_splits": args.max_splits, "seconds": elapsed, "rows": rows}, f,
+                   "block_n": args.block_n, "kv_dtype": args.kv_dtype, "max_splits": args.max_splits, "seconds": elapsed, "rows": rows}, f,
                   indent=1)
     print(f"\n{len(rows)} timings in {elapsed:.0f} s; JSON: {args.json}\n")
     print("| case | batch | policy | programs | max chunk | eager ms | graph ms | plan us | graph TB/s | of copy bw |")
