@@ -3,14 +3,15 @@
 # (each under 10 minutes). Needs the server's wheels for `tests`: scripts/fetch_server_wheels.sh here first,
 # then carry ".whl"; the held-out texts for `dsv4` (the perplexity check) must travel in heldout_texts/
 # (docs/benchmarks.md, "Runs still to make", says how).
-# Usage: bash scripts/gpu_pending.sh PART       PART: kernels | offline | piecewise | dsv4 | tests (in that order)
+# Usage: bash scripts/gpu_pending.sh PART       PART: kernels | piecewise | offline | fp8 | dsv4 | tests
+#        (in that order of value; six calls take more than one session's 30 minutes)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 LLAMA="--model kestrel/assets/configs/llama-3.1-8b --load-format dummy"
 S=$(date +%s)
-case ${1:?a part: kernels offline piecewise dsv4 tests} in
+case ${1:?a part: kernels piecewise offline fp8 dsv4 tests} in
   kernels)  # issue 16: the FP8 GEMV at M <= 8 (decides GEMV_MAX_M); decode attention at mixed lengths (the split policy)
     timeout 230 python3 scripts/bench_fp8.py --gemv-only --budget 200 2>&1 | tail -40
     timeout 200 python3 scripts/bench_decode_mixed.py 2>&1 | tail -30
@@ -23,8 +24,12 @@ case ${1:?a part: kernels offline piecewise dsv4 tests} in
       echo "== offline r=0 ${variant#*|}"
       OFFLINE4K_TIMEOUT=170 OFFLINE_TAG=${variant%%|*} OFFLINE_FLAGS=${variant#*|} bash scripts/gpu_check.sh offline4k_r0
     done ;;
-  piecewise)  # issue 16 item 4 (ITL tail): piecewise CUDA graphs; then batch-1 decode with FP8 weights, dot vs GEMV
-    PROMPTS=160 bash scripts/gpu_piecewise.sh
+  piecewise)  # issue 16 item 4 (ITL tail): piecewise CUDA graphs, and with them smaller chunks beside the decodes
+    PW="--enable-mixed-chunk --enable-piecewise-cuda-graph"
+    PROMPTS=160 bash scripts/gpu_piecewise.sh "mixed_pw_c2048|$PW --chunked-prefill-size 2048" \
+      "mixed_pw_c1024|$PW --chunked-prefill-size 1024" ;;
+  fp8)  # issue 16's batch-1 goals: bf16 (88 % of the floor) and --quantization fp8 (80 % of its own), dot vs GEMV
+    bash scripts/gpu_check.sh bench1
     for max_m in 0 1; do
       echo "== one_batch --quantization fp8, GEMV_MAX_M=$max_m"
       timeout 100 python3 -c "import runpy, sys; import kestrel.layers.fp8_gemm_triton as g; g.GEMV_MAX_M = $max_m
