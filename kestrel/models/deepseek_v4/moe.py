@@ -15,6 +15,12 @@ from torch import nn
 from kestrel.distributed.parallel_state import ParallelState
 from kestrel.models.deepseek_v4.config import V4Config
 
+# The most local experts for which a captured step (decode) runs every expert on every token rather than
+# the grouped GEMM (fused_moe.py): the 16-expert bench slice's decode graphs were measured with every-expert
+# on the H200, and above that its waste grows with the expert count (at 256 experts and 6 per token, batch 1
+# reads ~43x the weights it needs). scripts/bench_dsv4_moe.py's H200 comparison of the two decides the value.
+EVERY_EXPERT_MAX = 16
+
 
 def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
     """W2 (SiLU(min(W1 x, L)) * clamp(W3 x, -L, L))."""
@@ -95,13 +101,34 @@ class V4MoE(nn.Module):
         out = swiglu(x, sh.w1.weight, sh.w3.weight, sh.w2.weight, self.limit).float()
         split = self.parallel.ep_size > 1
         routed = torch.zeros_like(out) if split else out  # one rank: the routed sum goes straight into out
-        if capturing(x):
+        path = self.routed_path(x)
+        if path == "fused":
+            self.add_routed_fused(x, ids, weights, routed)
+        elif path == "every":
             self.add_routed_every_expert(x, ids, weights, routed)
         else:
             self.add_routed_hit_experts(x, ids, weights, routed)
         if split:
             out = out + self.parallel.all_reduce(routed)
         return out.to(x.dtype)
+
+    def routed_path(self, x: torch.Tensor) -> str:
+        """How this forward sums the routed experts: "loop" (add_routed_hit_experts: eager, reads the ids on
+        the host; the CPU path), "every" (add_routed_every_expert: under capture, few local experts) or
+        "fused" (add_routed_fused: CUDA, more than EVERY_EXPERT_MAX local experts; eager too, as one grouped
+        GEMM is fewer launches than the loop's per-expert products)."""
+        if x.is_cuda and self.experts.count > EVERY_EXPERT_MAX:
+            return "fused"
+        return "every" if capturing(x) else "loop"
+
+    def add_routed_fused(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                         routed: torch.Tensor) -> None:
+        """The same sum as add_routed_hit_experts by the Triton grouped GEMM (fused_moe.py): static shapes, no
+        host read, and it reads only the experts the step hits."""
+        from kestrel.models.deepseek_v4.fused_moe import fused_moe  # Triton is only needed on this path
+
+        experts = self.experts
+        routed += fused_moe(x, ids, weights, experts.w13, experts.w2, experts.first, self.limit)
 
     def add_routed_hit_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                                routed: torch.Tensor) -> None:
@@ -123,7 +150,7 @@ class V4MoE(nn.Module):
         local expert runs on every token (two batched products that read each expert's weights once)
         and a token's weight for an expert it was not routed to is 0. It reads all local experts, not
         just the hit ones: fine for a decode batch that hits most of them, wasteful for a few tokens
-        over many experts (a grouped GEMM is the fix)."""
+        over many experts: above EVERY_EXPERT_MAX local experts add_routed_fused serves the graphs instead."""
         experts = self.experts
         local = ids - experts.first
         mine = (local >= 0) & (local < experts.count)
