@@ -3,9 +3,12 @@ out_dtype path of torch.mm / bmm) at the decode and prefill-tile layouts `attend
 KV entries encode and decode on CUDA to the same bytes and values as on the CPU (the CPU tests' oracle);
 decode steps captured in CUDA graphs (static-sizes plan, every-expert MoE) = eager decode, through the
 engine; the sparse-attention Triton kernel = the backend's torch path at Flash widths (H 64, D 512,
-bf16 and packed FP8) and in the engine (prefill and graph-replayed decode logits)."""
+bf16 and packed FP8) and in the engine (prefill and graph-replayed decode logits); the grouped-GEMM MoE =
+the hit-expert loop in bf16, eagerly and replayed from a CUDA graph over new routing."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -15,8 +18,12 @@ from kestrel import Engine, SamplingParams
 from kestrel.attention.dsv4 import DSV4Backend, WindowKeys, _fp32_out, logits_f32
 from kestrel.attention.dsv4_plan import StepPlan, V4Span
 from kestrel.core.forward_mode import ForwardMode
+from kestrel.distributed.parallel_state import ParallelState
+from kestrel.models.deepseek_v4.config import parse_v4_config
+from kestrel.models.deepseek_v4.moe import V4MoE
 from kestrel.quant.kv_entries import RopeEntryFP8, ScaledKeyFP8
 from tests.e2e.test_spec_nextn import checkpoint, prompts, weights  # noqa: F401 - fixtures
+from tests.model import dsv4_reference as ref
 
 
 def test_logits_are_float32_and_not_rounded_to_bf16() -> None:
@@ -223,3 +230,74 @@ def _finish(engine, batch, tokens: torch.Tensor) -> None:
     futures = [[f] for f in engine.runner.future_tokens.put(tokens)]
     engine.scheduler.commit(batch, batch.reqs, futures)
     engine.scheduler.resolve(batch.reqs, [[t] for t in tokens.tolist()], futures)
+
+
+# ---- the grouped-GEMM MoE (kestrel/models/deepseek_v4/fused_moe.py) ------------------------------------
+def bf16_moe(experts: int, parallel: ParallelState, device: str = "cuda") -> V4MoE:
+    """A V4 MoE of `experts` routed experts (6 per token), widths 1024 / 384, random weights, bf16 as the
+    model loads it (the gate stays float32); clamp 1.5, so it fires."""
+    cfg = dataclasses.replace(parse_v4_config(ref.RefConfig().native_config()), hidden_size=1024,
+                              moe_intermediate_size=384, n_routed_experts=experts, num_experts_per_tok=6,
+                              swiglu_limit=1.5)
+    layer = V4MoE(cfg, hash_routing=False, parallel=parallel).to(device)
+    gen = torch.Generator(device).manual_seed(experts)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, device=device) * p.shape[-1] ** -0.5)
+    layer.experts.bfloat16()
+    layer.shared_experts.bfloat16()
+    return layer
+
+
+@pytest.mark.parametrize("T", [1, 37, 300, 1000])
+def test_fused_moe_equals_the_loop_in_bf16(T: int) -> None:
+    """Rank 1 of 2 (32 of 64 experts: about half of each token's are another rank's), tile heights 16, 32
+    and 64. Both round to bf16 (the loop each product, the fused path only the activations), so against
+    the float32 loop over the same bf16 weights the fused path is no further off than the loop (1.5x + 1e-3),
+    and the two are within 3e-2 of each other (outputs of size ~1)."""
+    layer = bf16_moe(64, ParallelState(1, 2, ep_size=2))
+    gen = torch.Generator("cuda").manual_seed(T)
+    x = torch.randn(T, 1024, generator=gen, device="cuda").bfloat16()
+    ids = torch.rand(T, 64, generator=gen, device="cuda").argsort(-1)[:, :6]
+    routing = torch.rand(T, 6, generator=gen, device="cuda")
+    exact = copy.deepcopy(layer).float()
+    loop, fused, oracle = (torch.zeros(T, 1024, device="cuda") for _ in range(3))
+    with torch.no_grad():
+        layer.add_routed_hit_experts(x, ids, routing, loop)
+        layer.add_routed_fused(x, ids, routing, fused)
+        exact.add_routed_hit_experts(x.float(), ids, routing, oracle)
+    assert oracle.abs().amax() > 0.1
+    torch.testing.assert_close(fused, loop, atol=3e-2, rtol=3e-2)
+    err_fused, err_loop = ((y - oracle).abs().max().item() for y in (fused, loop))
+    assert err_fused <= 1.5 * err_loop + 1e-3, (err_fused, err_loop)
+
+
+def test_fused_moe_captured_in_a_cuda_graph_follows_the_routing(monkeypatch) -> None:
+    """32 local experts (above EVERY_EXPERT_MAX): a forward of 8 tokens captured with the fused path and
+    replayed on new inputs (other experts hit each time) = the eager loop's forward on them."""
+    layer = bf16_moe(32, ParallelState())
+    x = torch.zeros(8, 1024, device="cuda", dtype=torch.bfloat16)
+    input_ids = torch.arange(8, device="cuda")
+    assert layer.routed_path(x) == "fused"
+    paths, choose = [], layer.routed_path
+    monkeypatch.setattr(layer, "routed_path", lambda x: paths.append(choose(x)) or paths[-1])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        layer(x, input_ids)  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = layer(x, input_ids)
+    assert paths == ["fused", "fused"]
+    gen = torch.Generator("cuda").manual_seed(1)
+    hit = []
+    for _ in range(3):
+        x.copy_(torch.randn(8, 1024, generator=gen, device="cuda"))
+        graph.replay()
+        monkeypatch.setattr(layer, "routed_path", lambda x: "loop")
+        with torch.no_grad():
+            want = layer(x, input_ids)
+            hit.append(set(layer.gate(x, input_ids)[0].flatten().tolist()))
+        torch.testing.assert_close(out, want, atol=3e-2, rtol=3e-2)
+    assert hit[0] != hit[1] != hit[2]
