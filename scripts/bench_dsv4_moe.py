@@ -14,6 +14,9 @@ and replayed (what a decode step runs); every-expert at 2048 tokens runs at 16 e
 would need ~30 GB of intermediates, and prefill is eager: it never takes that path). The floor is the
 weight bytes the step needs (distinct local experts hit x one expert's bytes) over the measured copy
 bandwidth; `% floor` = floor / fused graph (or eager) time. `maxdiff`: the largest |fused - loop|.
+
+`--sweep` (about a minute more) then times the fused path in a graph with other tile sizes
+(`SWEEP`) at the largest expert count, against the default rule's (`fused_moe.default_config`).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import torch
 
 from kestrel.bench.common import copy_bandwidth
 from kestrel.bench.dsv4_layers import graph_ms, timed_ms
+from kestrel.models.deepseek_v4 import fused_moe
 from kestrel.models.deepseek_v4.config import parse_v4_config
 from kestrel.models.deepseek_v4.moe import EVERY_EXPERT_MAX, V4MoE
 
@@ -38,6 +42,10 @@ FULL = dict(device="cuda", dtype=torch.bfloat16, hidden=4096, inter=2048, k=6, e
             tokens=[1, 8, 32, 128, 2048], iters=20, prefill_iters=5, prefill_from=2048)
 SMOKE = dict(device="cpu", dtype=torch.float32, hidden=64, inter=48, k=3, experts=[4, 20], tokens=[1, 8, 40],
              iters=1, prefill_iters=1, prefill_from=40)
+# (block_m, block_n, block_k, num_warps): decode-height tiles with narrower / wider columns and steps, and
+# taller ones for the prefill batch.
+SWEEP = [(16, 32, 128, 4), (16, 128, 64, 4), (16, 64, 256, 4), (32, 64, 128, 4), (64, 64, 64, 4),
+         (64, 128, 64, 8), (128, 128, 64, 8)]
 
 
 def build_layer(p: dict, experts: int) -> V4MoE:
@@ -92,6 +100,31 @@ def run_case(p: dict, layer: V4MoE, tokens: int, bandwidth: float | None) -> dic
     return res
 
 
+def sweep_case(p: dict, layer: V4MoE, tokens: int) -> dict:
+    """The fused path's graphed (eager on CPU) time per tile config: {"bm,bn,bk,warps": ms}."""
+    dev, experts, k = torch.device(p["device"]), layer.experts.count, p["k"]
+    gen = torch.Generator(dev).manual_seed(tokens)
+    x = torch.randn(tokens, p["hidden"], generator=gen, device=dev, dtype=p["dtype"])
+    ids = torch.rand(tokens, experts, generator=gen, device=dev).argsort(-1)[:, :k]
+    weights = torch.rand(tokens, k, generator=gen, device=dev)
+    ex, default = layer.experts, fused_moe.default_config(ids.numel(), experts)
+    configs = {"default " + ",".join(str(v) for v in dataclasses.astuple(default)[:4]): default}
+    configs.update({",".join(map(str, c)): fused_moe.MoeTileConfig(*c) for c in SWEEP})
+    iters = p["iters"] if tokens < p["prefill_from"] else p["prefill_iters"]
+    res = {}
+    with torch.no_grad():
+        for name, cfg in configs.items():
+            call = lambda cfg=cfg: fused_moe.fused_moe(x, ids, weights, ex.w13, ex.w2, ex.first, layer.limit, cfg)  # noqa: E731
+            try:
+                times = graph_ms(call, dev, iters) if dev.type == "cuda" else timed_ms(call, dev, iters)
+                res[name] = median(times)
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: report it, keep the others
+                res[name] = f"failed: {type(e).__name__}: {e}"[:200]
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    return res
+
+
 COLUMNS = ["experts_hit", "floor_ms", "every_ms", "every_graph_ms", "fused_ms", "fused_graph_ms", "loop_ms",
            "pct_floor", "maxdiff"]
 
@@ -108,11 +141,20 @@ def print_table(res: dict) -> None:
     print(f"\n== dsv4 routed experts: every-expert vs fused grouped GEMM vs loop ({res['device']}, "
           f"copy {res['copy_GBps'] or 0:.0f} GB/s) ==")
     print(f"  {'case':<22}" + "".join(f"{c:>15}" for c in COLUMNS))
+    sweeps = {}
     for label, row in res["cases"].items():
-        if isinstance(row, dict):
+        if label.startswith("sweep"):
+            sweeps[label] = row
+        elif isinstance(row, dict):
             print(f"  {label:<22}" + "".join(f"{fmt(c, row.get(c, '-')):>15}" for c in COLUMNS))
         else:
             print(f"  {label:<22}  {row}")
+    if sweeps:
+        print("\n== fused tile sweep: ms per (block_m, block_n, block_k, warps), graphed ==")
+        for label, row in sweeps.items():
+            cells = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()) \
+                if isinstance(row, dict) else row
+            print(f"  {label:<22}  {cells}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=150, help="cases that would start past it are skipped")
     parser.add_argument("--experts", type=str, default=None, help="local expert counts, e.g. 16,256")
     parser.add_argument("--tokens", type=str, default=None, help="token counts, e.g. 1,8,32,128,2048")
+    parser.add_argument("--sweep", action="store_true", help="also time the fused path's tile sizes (SWEEP)")
     args = parser.parse_args(argv)
     p = dict(SMOKE if args.smoke else FULL)
     for key in ("experts", "tokens"):
@@ -146,6 +189,19 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001 - report it, keep the other cases
                 res["cases"][label] = f"failed: {type(e).__name__}: {e}"[:300]
             print(f"[{label}: {time.monotonic() - t:.1f} s] {json.dumps(res['cases'][label])}", flush=True)
+        if args.sweep and experts == max(p["experts"]):
+            for tokens in p["tokens"]:
+                label = f"sweep E{experts} T{tokens}"
+                if time.monotonic() - started > args.budget_s:
+                    res["cases"][label] = f"skipped: past the {args.budget_s:.0f} s budget"
+                    continue
+                t = time.monotonic()
+                try:
+                    layer = layer or build_layer(p, experts)
+                    res["cases"][label] = sweep_case(p, layer, tokens)
+                except Exception as e:  # noqa: BLE001 - report it, keep the other cases
+                    res["cases"][label] = f"failed: {type(e).__name__}: {e}"[:300]
+                print(f"[{label}: {time.monotonic() - t:.1f} s] {json.dumps(res['cases'][label])}", flush=True)
         del layer
         if dev.type == "cuda":
             torch.cuda.empty_cache()
