@@ -9,8 +9,8 @@ rows padded to a multiple of the tile height BLOCK_M, so every tile of rows belo
   the row's assignment (token * k + slot) of a float32 [T * k, d] buffer; a token's k rows are then summed
   by a reshape + sum. No atomics: the result does not depend on scheduling.
 An expert's weights are read once per tile of its rows, so a step reads the experts it hits, not all of
-them. The grids have the static upper bound of tiles, ceil(T k / BLOCK_M) + count; tiles past the used
-ones (tile expert -1) return at once.
+them. The grids have a static upper bound of tiles (`max_tiles`: at most ceil(T k / BLOCK_M) + count); tiles
+past the used ones (tile expert -1) return at once.
 """
 from __future__ import annotations
 
@@ -57,8 +57,12 @@ class ExpertTiles:
 
 
 def max_tiles(assignments: int, count: int, block_m: int) -> int:
-    """Each expert's rows round up to whole tiles, at most one partial tile per expert."""
-    return -(-assignments // block_m) + count
+    """The most tiles any routing needs: m experts with rows take m + sum((c_e - 1) // block_m) <=
+    m + (assignments - m) // block_m tiles, largest at m = min(count, assignments) (one row each, the rest
+    in one expert reaches it). At most ceil(assignments / block_m) + count, and far fewer where it matters:
+    a decode step of 6 assignments over 256 experts needs 6 tiles, not 257 programs that do nothing."""
+    hit = min(count, assignments)
+    return hit + (assignments - hit) // block_m
 
 
 def align_assignments(ids: torch.Tensor, first: int, count: int, block_m: int) -> ExpertTiles:
