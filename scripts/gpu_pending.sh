@@ -3,15 +3,15 @@
 # (each under 10 minutes). Needs the server's wheels for `tests`: scripts/fetch_server_wheels.sh here first,
 # then carry ".whl"; the held-out texts for `dsv4` (the perplexity check) must travel in heldout_texts/
 # (docs/benchmarks.md, "Runs still to make", says how).
-# Usage: bash scripts/gpu_pending.sh PART       PART: kernels | piecewise | offline | fp8 | dsv4 | tests
-#        (in that order of value; six calls take more than one session's 30 minutes)
+# Usage: bash scripts/gpu_pending.sh PART       PART: tests | kernels | piecewise | offline | fp8 | dsv4
+#        (in that order; six calls take more than one session's 30 minutes)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 LLAMA="--model kestrel/assets/configs/llama-3.1-8b --load-format dummy"
 S=$(date +%s)
-case ${1:?a part: kernels piecewise offline fp8 dsv4 tests} in
+case ${1:?a part: tests kernels piecewise offline fp8 dsv4} in
   kernels)  # issue 16: the FP8 GEMV at M <= 8 (decides GEMV_MAX_M); decode attention at mixed lengths (the split policy)
     timeout 230 python3 scripts/bench_fp8.py --gemv-only --budget 200 2>&1 | tail -40
     timeout 200 python3 scripts/bench_decode_mixed.py 2>&1 | tail -30
@@ -43,7 +43,8 @@ sys.argv = ['one_batch'] + sys.argv[1:]; runpy.run_module('kestrel.bench.one_bat
     timeout 120 python3 scripts/bench_dsv4_kernel.py --budget-s 90 2>&1 | tail -25
     timeout 100 python3 -m kestrel.bench.perplexity --compare --text heldout_texts/* --json "$OUT/perplexity.json" \
       2>&1 | grep -v INFO | tail -16 ;;
-  tests)
-    timeout 480 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+  tests)  # first: the new kernels (FP8 GEMV, length-aware split, V4 grouped-GEMM MoE) compile on triton 3.6
+    timeout 400 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+    timeout 170 python3 scripts/bench_dsv4_moe.py --budget-s 150 2>&1 | tail -25 ;;
 esac
 echo "part $1: $(( $(date +%s) - S )) s"
