@@ -41,6 +41,8 @@ class TritonBackend:
             # reads the lengths on the device only, so a replay recomputes it from the step it serves.
             kv_heads = self.pools.layout.groups[0].buffers[0].shape[0]
             self._num_splits = uniform_splits(batch.batch_size, kv_heads)
+            if self.upcast:  # the CPU interpreter runs programs one by one: 2 splits test the path without the cost
+                self._num_splits = min(self._num_splits, 2)
             if self.decode_split is not None:  # device ops on the lengths, captured with the graph
                 self._split_plan = length_aware_plan(batch.seq_lens, kv_heads, self.decode_split)
         else:
