@@ -77,6 +77,19 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def decode_read_bytes(model: torch.nn.Module) -> int:
+    """The weight bytes a decode step must read: every weight but an input-embedding table that is not
+    also the logits' weight, of which a step gathers one row per token (Llama-3.1-8B's untied table is
+    1.05 of its 16.06 GB). weight_bytes counts it whole: the convention of round 1 and the issues' goals."""
+    from kestrel.layers.vocab_parallel import VocabParallelEmbedding
+
+    # A Llama-family model without an lm_head computes its logits with the embedding table (tied).
+    tied = getattr(model, "lm_head", False) is None
+    unread = 0 if tied else sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+                                if isinstance(m, (torch.nn.Embedding, VocabParallelEmbedding)))
+    return weight_bytes(model) - unread
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from kestrel.bench.common import copy_bandwidth, median, now, random_prompts, report, weight_bytes
+from kestrel.bench.common import copy_bandwidth, decode_read_bytes, median, now, random_prompts, report, weight_bytes
 from kestrel.bench.plot import check_plot_available, plot_sweep
 from kestrel.cli import add_engine_flags, config_from_args, configure_logging
 from kestrel.core.sampling_params import SamplingParams
@@ -73,8 +73,9 @@ def measure(engine, args: argparse.Namespace, batch_size: int,
     forward_ms = timer.take_ms() if device.type == "cuda" else []
     # The first timed forward(s) are the prefill; the decode forwards follow one per step.
     decode_gpu = median(forward_ms[-len(result["decode_steps_s"]):]) / 1e3 if forward_ms else None
-    wbytes = weight_bytes(engine.runner.model)
+    wbytes, read_bytes = weight_bytes(engine.runner.model), decode_read_bytes(engine.runner.model)
     floor = wbytes / bandwidth if bandwidth else None
+    read_floor = read_bytes / bandwidth if bandwidth else None
     summary = {
         "model": engine.config.model.model, "device": str(device), "dtype": engine.config.model.dtype,
         "batch_size": batch_size, "input_len": args.input_len, "output_len": args.output_len,
@@ -83,6 +84,8 @@ def measure(engine, args: argparse.Namespace, batch_size: int,
         "decode_step_median_s": step, "decode_tok_per_s": batch_size / step,
         "weight_bytes": wbytes, "copy_bandwidth_bytes_per_s": bandwidth, "decode_floor_s": floor,
         "decode_fraction_of_floor": floor / step if floor else None,
+        "decode_read_bytes": read_bytes, "decode_read_floor_s": read_floor,
+        "decode_fraction_of_read_floor": read_floor / step if read_floor else None,
         "decode_forward_gpu_median_s": decode_gpu,
         "decode_cpu_share": 1 - decode_gpu / step if decode_gpu else None,
         "attention_backend": engine.runner.attn_backend.name,
@@ -104,8 +107,11 @@ def rows_of(summary: dict) -> list[tuple[str, object]]:
         rows += [("decode forward on GPU, median (ms)", decode_gpu * 1e3),
                  ("step time outside the forward", f"{100 * (1 - decode_gpu / step):.1f}%")]
     if floor:
+        read_floor = summary["decode_read_floor_s"]
         rows += [("floor: weights / copy bw (ms)", floor * 1e3),
-                 ("decode vs floor", f"{100 * floor / step:.1f}% of the floor")]
+                 ("decode vs floor", f"{100 * floor / step:.1f}% of the floor"),
+                 ("floor: weights a step reads / copy bw (ms)", read_floor * 1e3),
+                 ("decode vs that floor", f"{100 * read_floor / step:.1f}% of it")]
     return rows
 
 

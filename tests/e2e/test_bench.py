@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from kestrel.bench.common import random_lengths
 from kestrel.cli import main
@@ -37,6 +38,9 @@ def test_one_batch_and_offline_benchmarks(tiny_model, tmp_path, capsys):
                  "--json", str(tmp_path / "one.json")]) == 0
     one = json.loads((tmp_path / "one.json").read_text())
     assert one["batch_size"] == 2 and one["decode_step_median_s"] > 0 and one["prefill_latency_s"] > 0
+    config = json.loads((Path(model) / "config.json").read_text())
+    table = config["vocab_size"] * config["hidden_size"] * 4  # float32
+    assert not config["tie_word_embeddings"] and one["decode_read_bytes"] == one["weight_bytes"] - table
     assert main(["bench", "offline", *flags, "--num-prompts", "5", "--random-input-len", "20",
                  "--random-output-len", "6", "--transformers-batch-size", "2", "--transformers-prompts", "2",
                  "--json", str(tmp_path / "offline.json")]) == 0
@@ -52,6 +56,15 @@ def test_one_batch_and_offline_benchmarks(tiny_model, tmp_path, capsys):
     sweep = json.loads((tmp_path / "sweep.json").read_text())["runs"]
     assert [r["batch_size"] for r in sweep] == [1, 3] and all(r["decode_tok_per_s"] > 0 for r in sweep)
     assert_png(tmp_path / "one.png", panels=2)
+
+
+def test_a_tied_embedding_is_read_whole_by_a_decode_step(tiny_model):
+    from kestrel import Engine
+    from kestrel.bench.common import decode_read_bytes, weight_bytes
+
+    with Engine(model=tiny_model("llama", tie=True), device="cpu", dtype="float32") as engine:
+        model = engine.runner.model
+        assert model.lm_head is None and decode_read_bytes(model) == weight_bytes(model)
 
 
 def test_closed_loop_benchmark_times_every_token(tiny_model, tmp_path):
