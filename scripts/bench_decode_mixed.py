@@ -1,6 +1,8 @@
 """Decode attention on batches of mixed context lengths: the uniform split against the length-aware one.
 
     PYTHONPATH=. python scripts/bench_decode_mixed.py        # table last, JSON to $OUT/decode_mixed.json
+    PYTHONPATH=. python scripts/bench_decode_mixed.py --smoke   # the same code on CPU (Triton's interpreter),
+                                                                # lengths / 128, host timers, no graphs
 
 One layer of the Llama-3.1-8B shape (32 query heads, 8 KV heads, head_dim 128, bf16 or with
 `--kv-dtype fp8_e4m3` an FP8 pool, page size 1 with scattered slots) through `decode_attention`, as the Triton backend calls it, for each case below and
@@ -37,6 +39,7 @@ import time
 import torch
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+DEVICE = "cuda"  # "cpu" with --smoke
 L2_BYTES = 256 * 2**20  # KV read per timed unit at least this (5x the H200's 50 MB L2)
 
 
@@ -60,11 +63,16 @@ CASES = ("r0-mid", "u2k-6k", "skewed", "64x4096", "1x8192", "8-mixed")
 
 
 def event_median(fn, reps: int, warmup: int = 3) -> float:
-    """Median ms of fn() over `reps` CUDA-event timings, after `warmup` untimed calls."""
+    """Median ms of fn() over `reps` CUDA-event timings, after `warmup` untimed calls (host timer on CPU)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
+        if DEVICE == "cpu":
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -75,7 +83,10 @@ def event_median(fn, reps: int, warmup: int = 3) -> float:
 
 
 def graph_median(fn, reps: int) -> float:
-    """Median ms of one replay of a CUDA graph that captured fn() (warmed up eagerly first)."""
+    """Median ms of one replay of a CUDA graph that captured fn() (warmed up eagerly first); on CPU (no
+    graphs) fn() itself."""
+    if DEVICE == "cpu":
+        return event_median(fn, reps, warmup=1)
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -88,25 +99,25 @@ class Case:
     """The KV of one case, `copies` times over (each copy its own scattered slots and table rows)."""
 
     def __init__(self, lengths: list[int], seed: int, kv_dtype: torch.dtype) -> None:
-        gen = torch.Generator(device="cuda").manual_seed(seed)
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
         self.lengths = lengths
         batch, tokens = len(lengths), sum(lengths)
         self.kv_bytes = 2 * tokens * KV_HEADS * HEAD_DIM * kv_dtype.itemsize  # K and V
-        self.copies = max(1, min(8, math.ceil(L2_BYTES / self.kv_bytes)))
+        self.copies = 1 if DEVICE == "cpu" else max(1, min(8, math.ceil(L2_BYTES / self.kv_bytes)))
         slots = self.copies * tokens + 1  # slot 0 unused, as in the engine
-        self.k_buf = torch.randn(slots, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+        self.k_buf = torch.randn(slots, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16,
                                  generator=gen).to(kv_dtype)
-        self.v_buf = torch.randn(self.k_buf.shape, device="cuda", dtype=torch.bfloat16, generator=gen).to(kv_dtype)
-        perm = torch.randperm(slots - 1, device="cuda", generator=gen) + 1
-        self.table = torch.zeros(self.copies * batch, max(lengths), dtype=torch.int64, device="cuda")
+        self.v_buf = torch.randn(self.k_buf.shape, device=DEVICE, dtype=torch.bfloat16, generator=gen).to(kv_dtype)
+        perm = torch.randperm(slots - 1, device=DEVICE, generator=gen) + 1
+        self.table = torch.zeros(self.copies * batch, max(lengths), dtype=torch.int64, device=DEVICE)
         used = 0
         for row in range(self.copies * batch):
             n = lengths[row % batch]
             self.table[row, :n] = perm[used:used + n]
             used += n
-        self.seq = torch.tensor(lengths, device="cuda")
-        self.rows = [torch.arange(c * batch, (c + 1) * batch, device="cuda") for c in range(self.copies)]
-        self.q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+        self.seq = torch.tensor(lengths, device=DEVICE)
+        self.rows = [torch.arange(c * batch, (c + 1) * batch, device=DEVICE) for c in range(self.copies)]
+        self.q = torch.randn(batch, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16, generator=gen)
         self.out = torch.empty_like(self.q)
         # The new token's K/V is stored by the kernel at the row's last slot: store what is already there.
         self.new_slots = [self.table[r, self.seq - 1].contiguous() for r in self.rows]
@@ -128,7 +139,8 @@ def run_policy(case: Case, policy, block_n: int, plan_inside: bool):
                 p = length_aware_plan(case.seq, KV_HEADS, policy)
             k_new, v_new = case.new_kv[c]
             decode_attention(case.q, k_new, v_new, case.k_buf, case.v_buf, case.out, case.table, rows, case.seq,
-                             case.new_slots[c], 1 / math.sqrt(HEAD_DIM), None, False, num_splits, block_n=block_n,
+                             case.new_slots[c], 1 / math.sqrt(HEAD_DIM), None, DEVICE == "cpu", num_splits,
+                             block_n=block_n,
                              split_plan=p)
     return fn
 
@@ -146,17 +158,26 @@ def main() -> None:
     parser.add_argument("--kv-dtype", choices=("bf16", "fp8_e4m3"), default="bf16",
                         help="the pool's dtype (fp8_e4m3: half the bytes per key, dequantized in registers)")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU, Triton's interpreter, every length / 128 and at most 6 requests: checks the script")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "decode_mixed.json"))
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_decode_mixed needs a CUDA GPU")
+    global DEVICE
+    if args.smoke:  # before kestrel (and with it triton) is imported
+        os.environ["TRITON_INTERPRET"] = "1"
+        DEVICE = "cpu"
+        args.reps, args.targets, args.chunks, args.block_n = 1, [4096], [16], 16
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench_decode_mixed needs a CUDA GPU (or --smoke)")
     from kestrel.attention.triton.decode import LengthAwareSplit, length_aware_plan, uniform_splits
     from kestrel.bench.common import copy_bandwidth
 
     started = time.time()
-    bandwidth = copy_bandwidth(torch.device("cuda"), gib=4.0)
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (4 GiB, read + written)")
+    bandwidth = copy_bandwidth(torch.device(DEVICE), gib=4.0)
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    if bandwidth:
+        print(f"{name}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (4 GiB, read + written)")
     policies = [("uniform", None)] + [(f"length/{t}", LengthAwareSplit(target_programs=t, max_splits=args.max_splits,
                                                                          min_chunk=args.block_n))
                                       for t in args.targets]
@@ -165,6 +186,8 @@ def main() -> None:
     rows = []
     for i, name in enumerate(args.cases):
         lengths = case_lengths(name, random.Random(args.seed * 100 + i))
+        if args.smoke:
+            lengths = [max(1, n // 128) for n in lengths[:6]]
         case = Case(lengths, args.seed + i, torch.bfloat16 if args.kv_dtype == "bf16" else torch.float8_e4m3fn)
         batch = len(lengths)
         print(f"{name}: batch {batch}, contexts {min(lengths)}-{max(lengths)} (mean {sum(lengths) / batch:.0f}), "
@@ -188,17 +211,18 @@ def main() -> None:
                 row["chunk_max"] = int(plan.split_chunks.max())
                 make_plan = lambda seq=case.seq, policy=policy: length_aware_plan(seq, KV_HEADS, policy)  # noqa: E731
                 row["plan_us"] = graph_median(make_plan, args.reps) * 1e3
-            row["graph_share_of_copy_bw"] = case.kv_bytes / (graph / 1e3) / bandwidth
+            row["graph_share_of_copy_bw"] = case.kv_bytes / (graph / 1e3) / bandwidth if bandwidth else None
             rows.append(row)
             print(f"  {label:<12} eager {eager:.3f} ms  graph {graph:.3f} ms  "
                   f"{row['graph_tb_s']:.2f} TB/s  max |diff| {err:.1e}")
         case = None  # free this case's KV before the next one's
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
 
     elapsed = time.time() - started
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth_bytes_s": bandwidth,
+        json.dump({"device": name, "copy_bandwidth_bytes_s": bandwidth,
                    "block_n": args.block_n, "kv_dtype": args.kv_dtype, "max_splits": args.max_splits, "seconds": elapsed, "rows": rows}, f,
                   indent=1)
     print(f"\n{len(rows)} timings in {elapsed:.0f} s; JSON: {args.json}\n")
@@ -207,8 +231,9 @@ def main() -> None:
     for r in rows:
         chunk = r.get("chunk_max", "-")
         plan = f"{r['plan_us']:.1f}" if "plan_us" in r else "-"
+        share = f"{100 * r['graph_share_of_copy_bw']:.1f} %" if r["graph_share_of_copy_bw"] else "-"
         print(f"| {r['case']} | {r['batch']} | {r['policy']} | {r['programs']} | {chunk} | {r['eager_ms']:.3f} | "
-              f"{r['graph_ms']:.3f} | {plan} | {r['graph_tb_s']:.2f} | {100 * r['graph_share_of_copy_bw']:.1f} % |")
+              f"{r['graph_ms']:.3f} | {plan} | {r['graph_tb_s']:.2f} | {share} |")
 
 if __name__ == "__main__":
     main()
