@@ -62,37 +62,14 @@ def case_lengths(name: str, rng: random.Random) -> list[int]:
 CASES = ("r0-mid", "u2k-6k", "skewed", "64x4096", "1x8192", "8-mixed")
 
 
-def event_median(fn, reps: int, warmup: int = 3) -> float:
-    """Median ms of fn() over `reps` CUDA-event timings, after `warmup` untimed calls (host timer on CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if DEVICE == "cpu":
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+def median_ms(fn, reps: int, graphed: bool) -> float:
+    """Median ms of fn() (CUDA events; the host clock on CPU), or with `graphed` of the replays of a CUDA
+    graph that captured it (on CPU, which has no graphs, of fn() itself)."""
+    from kestrel.bench.common import graph_ms, timed_ms  # after --smoke has set TRITON_INTERPRET
+
+    device = torch.device(DEVICE)
+    times = graph_ms(fn, device, reps) if graphed and DEVICE == "cuda" else timed_ms(fn, device, reps, warmup=3)
     return statistics.median(times)
-
-
-def graph_median(fn, reps: int) -> float:
-    """Median ms of one replay of a CUDA graph that captured fn() (warmed up eagerly first); on CPU (no
-    graphs) fn() itself."""
-    if DEVICE == "cpu":
-        return event_median(fn, reps, warmup=1)
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return event_median(graph.replay, reps)
 
 
 class Case:
@@ -197,8 +174,8 @@ def main() -> None:
         for label, policy in policies:
             run_policy(case, policy, args.block_n, False)()
             err = (case.out.float() - reference).abs().max().item()
-            eager = event_median(run_policy(case, policy, args.block_n, False), args.reps) / case.copies
-            graph = graph_median(run_policy(case, policy, args.block_n, True), args.reps) / case.copies
+            eager = median_ms(run_policy(case, policy, args.block_n, False), args.reps, False) / case.copies
+            graph = median_ms(run_policy(case, policy, args.block_n, True), args.reps, True) / case.copies
             row = {"case": name, "batch": batch, "policy": label, "eager_ms": eager, "graph_ms": graph,
                    "kv_bytes": case.kv_bytes, "max_abs_diff_vs_uniform": err,
                    "eager_tb_s": case.kv_bytes / eager / 1e9, "graph_tb_s": case.kv_bytes / graph / 1e9}
@@ -210,7 +187,7 @@ def main() -> None:
                 row["programs"] = int(plan.split_counts.sum()) * KV_HEADS
                 row["chunk_max"] = int(plan.split_chunks.max())
                 make_plan = lambda seq=case.seq, policy=policy: length_aware_plan(seq, KV_HEADS, policy)  # noqa: E731
-                row["plan_us"] = graph_median(make_plan, args.reps) * 1e3
+                row["plan_us"] = median_ms(make_plan, args.reps, True) * 1e3
             row["graph_share_of_copy_bw"] = case.kv_bytes / (graph / 1e3) / bandwidth if bandwidth else None
             rows.append(row)
             print(f"  {label:<12} eager {eager:.3f} ms  graph {graph:.3f} ms  "

@@ -16,11 +16,8 @@ small sweep of the kernel's tile sizes on the ratio-4 cases. Sections past `--bu
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
-from pathlib import Path
 from statistics import median
 from types import SimpleNamespace
 
@@ -28,7 +25,7 @@ import torch
 
 from kestrel.attention.dsv4 import DSV4Backend, WindowKeys
 from kestrel.attention.dsv4_plan import StepPlan, V4Span
-from kestrel.bench.dsv4_layers import graph_ms, timed_ms
+from kestrel.bench.common import graph_ms, run_budgeted, timed_ms, write_result
 from kestrel.quant.kv_entries import RopeEntryFP8
 
 FULL = dict(device="cuda", dtype=torch.bfloat16, heads=64, dim=512, rope=64, window=128, topk=512, context=32768,
@@ -146,22 +143,12 @@ def main(argv: list[str] | None = None) -> int:
            "widths": {k: p[k] for k in ("heads", "dim", "window", "topk", "context", "chunk")},
            "dtype": str(p["dtype"]), "cases": {}}
     for label, ratio, batch, extend, fp8, options in todo:
-        if time.monotonic() - started > args.budget_s:
-            res["cases"][label] = f"skipped: past the {args.budget_s:.0f} s budget"
-            continue
-        t = time.monotonic()
-        try:
-            res["cases"][label] = run_case(p, ratio, batch, extend, fp8, options)
-        except Exception as e:  # noqa: BLE001 - report it, keep the other cases
-            res["cases"][label] = f"failed: {type(e).__name__}: {e}"[:300]
+        run_budgeted(res["cases"], label, lambda: run_case(p, ratio, batch, extend, fp8, options), started,
+                     args.budget_s)
         if p["device"] == "cuda":
             torch.cuda.empty_cache()
-        print(f"[{label}: {time.monotonic() - t:.1f} s] {json.dumps(res['cases'][label])}", flush=True)
     res["wall_s"] = time.monotonic() - started
-    out = Path(os.environ.get("OUT", "./out"))
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / ("dsv4_kernel_smoke.json" if args.smoke else "dsv4_kernel.json")
-    path.write_text(json.dumps(res, indent=1))
+    path = write_result(res, "dsv4_kernel_smoke.json" if args.smoke else "dsv4_kernel.json")
     print_table(res)
     print(f"  (total {res['wall_s']:.0f} s; JSON in {path})")
     return 0

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,8 +30,7 @@ from statistics import median
 
 import torch
 
-from kestrel.bench.common import copy_bandwidth
-from kestrel.bench.dsv4_layers import graph_ms, timed_ms
+from kestrel.bench.common import copy_bandwidth, graph_ms, run_budgeted, timed_ms, write_result
 from kestrel.models.deepseek_v4 import fused_moe
 from kestrel.models.deepseek_v4.config import parse_v4_config
 from kestrel.models.deepseek_v4.moe import EVERY_EXPERT_MAX, V4MoE
@@ -176,40 +174,25 @@ def main(argv: list[str] | None = None) -> int:
            "widths": {k: p[k] for k in ("hidden", "inter", "k")}, "dtype": str(p["dtype"]),
            "every_expert_max": EVERY_EXPERT_MAX, "copy_GBps": bandwidth / 1e9 if bandwidth else None, "cases": {}}
     for experts in p["experts"]:
-        layer = None
+        built: list[V4MoE] = []
+
+        def layer() -> V4MoE:  # built by the first case that runs: a failure to build (an OOM) is that case's
+            if not built:
+                built.append(build_layer(p, experts))
+            return built[0]
+
         for tokens in p["tokens"]:
-            label = f"E{experts} T{tokens}"
-            if time.monotonic() - started > args.budget_s:
-                res["cases"][label] = f"skipped: past the {args.budget_s:.0f} s budget"
-                continue
-            t = time.monotonic()
-            try:
-                layer = layer or build_layer(p, experts)
-                res["cases"][label] = run_case(p, layer, tokens, bandwidth)
-            except Exception as e:  # noqa: BLE001 - report it, keep the other cases
-                res["cases"][label] = f"failed: {type(e).__name__}: {e}"[:300]
-            print(f"[{label}: {time.monotonic() - t:.1f} s] {json.dumps(res['cases'][label])}", flush=True)
+            run_budgeted(res["cases"], f"E{experts} T{tokens}", lambda: run_case(p, layer(), tokens, bandwidth),
+                         started, args.budget_s)
         if args.sweep and experts == max(p["experts"]):
             for tokens in p["tokens"]:
-                label = f"sweep E{experts} T{tokens}"
-                if time.monotonic() - started > args.budget_s:
-                    res["cases"][label] = f"skipped: past the {args.budget_s:.0f} s budget"
-                    continue
-                t = time.monotonic()
-                try:
-                    layer = layer or build_layer(p, experts)
-                    res["cases"][label] = sweep_case(p, layer, tokens)
-                except Exception as e:  # noqa: BLE001 - report it, keep the other cases
-                    res["cases"][label] = f"failed: {type(e).__name__}: {e}"[:300]
-                print(f"[{label}: {time.monotonic() - t:.1f} s] {json.dumps(res['cases'][label])}", flush=True)
-        del layer
+                run_budgeted(res["cases"], f"sweep E{experts} T{tokens}", lambda: sweep_case(p, layer(), tokens),
+                             started, args.budget_s)
+        built.clear()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     res["wall_s"] = time.monotonic() - started
-    out = Path(os.environ.get("OUT", "./out"))
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / ("dsv4_moe_smoke.json" if args.smoke else "dsv4_moe.json")
-    path.write_text(json.dumps(res, indent=1))
+    path = write_result(res, "dsv4_moe_smoke.json" if args.smoke else "dsv4_moe.json")
     print_table(res)
     print(f"  (total {res['wall_s']:.0f} s; JSON in {path})")
     return 0

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
-from statistics import median
+from collections.abc import Callable
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import torch
@@ -88,6 +90,66 @@ def decode_read_bytes(model: torch.nn.Module) -> int:
     unread = 0 if tied else sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
                                 if isinstance(m, (torch.nn.Embedding, VocabParallelEmbedding)))
     return weight_bytes(model) - unread
+
+
+def timed_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 1,
+             before: Callable[[], object] | None = None) -> list[float]:
+    """fn's times in ms after `warmup` untimed calls: CUDA events on the GPU (from an idle device, so
+    host launch gaps count), the wall clock on CPU. `before` runs untimed before every call."""
+    times = []
+    for i in range(warmup + iters):
+        if before is not None:
+            before()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end)
+        else:
+            t = time.perf_counter()
+            fn()
+            elapsed = (time.perf_counter() - t) * 1e3
+        if i >= warmup:
+            times.append(elapsed)
+    return times
+
+
+def graph_ms(fn: Callable[[], object], device: torch.device, iters: int) -> list[float]:
+    """fn captured once in a CUDA graph (after two eager warm-up calls), its replays timed as `timed_ms`."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return timed_ms(graph.replay, device, iters)
+
+
+def run_budgeted(cases: dict[str, Any], label: str, fn: Callable[[], Any], started: float, budget_s: float) -> None:
+    """cases[label] = fn(), or why not: skipped once `budget_s` seconds have passed since `started`
+    (time.monotonic()), or the error it raised, so that one failing case (an OOM, a kernel that does not
+    compile) leaves the others' results; prints the case's line."""
+    if time.monotonic() - started > budget_s:
+        cases[label] = f"skipped: past the {budget_s:.0f} s budget"
+        return
+    t = time.monotonic()
+    try:
+        cases[label] = fn()
+    except Exception as e:  # noqa: BLE001 - report it, keep the other cases
+        cases[label] = f"failed: {type(e).__name__}: {e}"[:300]
+    print(f"[{label}: {time.monotonic() - t:.1f} s] {json.dumps(cases[label])}", flush=True)
+
+
+def write_result(result: dict[str, Any], name: str) -> Path:
+    """`result` as $OUT/`name` (OUT defaults to ./out); its path."""
+    out = Path(os.environ.get("OUT", "./out"))
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    path.write_text(json.dumps(result, indent=1))
+    return path
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -16,43 +16,17 @@ side's work depends on them. Every timed call re-runs the same step (same positi
 """
 from __future__ import annotations
 
-import time
 import warnings
-from collections.abc import Callable
 from statistics import median
 
 import torch
 import torch.nn.functional as F
 
 from kestrel.attention.dsv4 import DSV4Backend
+from kestrel.bench.common import graph_ms, timed_ms
 from kestrel.cache.kv_memory import KVMemory
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.core.forward_mode import ForwardMode
-
-
-def timed_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 1,
-             before: Callable[[], object] | None = None) -> list[float]:
-    """fn's times in ms after `warmup` untimed calls: CUDA events on the GPU (from an idle device, so
-    host launch gaps count), the wall clock on CPU. `before` runs untimed before every call."""
-    times = []
-    for i in range(warmup + iters):
-        if before is not None:
-            before()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            elapsed = start.elapsed_time(end)
-        else:
-            t = time.perf_counter()
-            fn()
-            elapsed = (time.perf_counter() - t) * 1e3
-        if i >= warmup:
-            times.append(elapsed)
-    return times
 
 
 class LayerContext:
@@ -112,17 +86,6 @@ def v4_layer_ms(attn: torch.nn.Module, ctx: LayerContext, batch: int, prefix: in
 
     with torch.inference_mode():
         return timed_ms(lambda: attn(x, fb.positions, fb), ctx.device, iters, before=before)
-
-
-def graph_ms(fn: Callable[[], object], device: torch.device, iters: int) -> list[float]:
-    """fn captured once in a CUDA graph (after two eager warm-up calls), its replays timed as `timed_ms`."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return timed_ms(graph.replay, device, iters)
 
 
 def v4_layer_graph_ms(attn: torch.nn.Module, ctx: LayerContext, batch: int, prefix: int,
