@@ -214,7 +214,7 @@ class Engine:
         return self.scheduler.has_work() or self._inflight is not None
 
     def step(self) -> list[Request]:
-        """Run one batch; returns the requests that got a token or finished in this step.
+        """Run one batch; returns the requests that got a token or finished in this step, each once.
 
         With overlap scheduling (the default) the step launches batch N+1 and then resolves batch N,
         whose host work (stop checks, detokenizing, scheduling the next batch) overlaps batch N+1 on
@@ -260,7 +260,9 @@ class Engine:
             info = StepInfo(batch.mode.value, batch.batch_size, batch.num_tokens, time.perf_counter() - start)
             for hook in self._step_hooks:
                 hook(info)
-        return done
+        # A request can get tokens in two phases of one step: while speculating, the previous step's
+        # prefill resolves its first token and its first verify round follows at once (and may finish it).
+        return list(dict.fromkeys(done))
 
     def _fail_step(self, batch: ScheduledBatch | None, error: Exception) -> list[Request]:
         """Finish the requests of the failed batch and of the one in flight (whose tokens may never
