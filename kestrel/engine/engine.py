@@ -422,13 +422,42 @@ class Engine:
                 stepped.add(id(req))
         news = []
         for req in reqs:
-            news.append((req, self._streamed.get(req.rid, 0)))
-            if req.finished:
-                self._streamed.pop(req.rid, None)
-                self.pop(req.rid)
-            else:
-                self._streamed[req.rid] = len(req.output_ids)
+            try:
+                news.append(self._report(req))
+            except Exception as e:  # noqa: BLE001 - a bug in this bookkeeping costs its request only
+                logger.exception("reporting request %s failed; it finishes with an error", req.rid)
+                news.append(self.fail_request(req, e))
         return news
+
+    def _report(self, req: Request) -> tuple[Request, int]:
+        start = self._streamed.get(req.rid, 0)
+        if req.finished:
+            self._streamed.pop(req.rid, None)
+            self.pop(req.rid)
+        else:
+            self._streamed[req.rid] = len(req.output_ids)
+        return req, start
+
+    def fail_request(self, req: Request, error: Exception) -> tuple[Request, int]:
+        """After a bug in the bookkeeping around a step (reporting a request's news, outside the forward
+        that `step` guards): finish `req` with finish_reason "error", free its KV and forget it, as a
+        failed step would. Returns its last report for `step_deltas`' caller: no new tokens, the finish."""
+        message = f"{type(error).__name__}: {error}"
+        if req.finished:  # its finish was not reported yet: report the failure instead
+            req.finish_reason, req.matched_stop, req.error = "error", None, message
+        else:
+            self.scheduler.finish(req, "error", error=message)
+        self._streamed.pop(req.rid, None)
+        self._texts.pop(req.rid, None)
+        self._reqs.pop(req.rid, None)
+        return req, len(req.output_ids)
+
+    def fail_all(self, error: Exception) -> list[tuple[Request, int]]:
+        """`fail_request` for every request the engine holds: after a bug whose reach is unknown (the
+        caller's loop failed outside any one request), the engine is left empty and can serve again."""
+        self._inflight = None
+        self.scheduler.kv.drain()  # writes and slots of a batch that may never have run
+        return [self.fail_request(req, error) for req in list(self._reqs.values())]
 
     def _advance_grammar(self, req: Request) -> None:
         """The request's matcher takes its new token; once the grammar can only end, the request
