@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kestrel import envs
+
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -208,10 +210,7 @@ class EngineConfig:
         if dtype == "auto":
             ckpt = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
             dtype = ("bfloat16" if ckpt == "float32" else ckpt) if on_gpu else "float32"
-        max_pos = int(hf.get("max_position_embeddings", 2048))
-        context_length = self.model.context_length or max_pos
-        if context_length < 1:
-            raise ValueError(f"context_length must be >= 1, got {context_length}")
+        context_length, hf = _resolve_context_length(self.model.context_length, hf)
 
         c = self.cache
         page_size = _resolve_page_size(c.page_size, hf)
@@ -284,6 +283,52 @@ def _resolve_page_size(page_size: int | None, hf: dict[str, Any]) -> int:
         raise ValueError(f"page_size must be a multiple of {multiple} for this model's compressed KV blocks, got "
                          f"{page_size}; use --page-size {multiple} or leave it unset")
     return page_size
+
+
+# Where config.json states the positions a model was built for (DeepSeek's native spelling: max_seq_len).
+_MAX_POSITION_KEYS = ("max_position_embeddings", "max_seq_len")
+
+
+def _resolve_context_length(asked: int | None, hf: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """The context length, and `hf` as the model should be built for it. A length past the checkpoint's
+    positions is refused (its rope tables end there, and the model was not trained past them), unless
+    the user opts in with KESTREL_ALLOW_LONG_CONTEXT=1 for a scaled rope, which is made to stretch:
+    then the positions in `hf` become the context length, so the rope tables cover it."""
+    context_length = asked or int(hf.get("max_position_embeddings", 2048))
+    key = next((k for k in _MAX_POSITION_KEYS if hf.get(k)), None)
+    max_pos = int(hf[key]) if key else context_length
+    if context_length < 1:
+        raise ValueError(f"context_length must be >= 1, got {context_length}")
+    if key is None or context_length <= max_pos:
+        return context_length, hf
+    too_long = (f"context_length={context_length} is longer than the model's {max_pos} positions "
+                f"({key} in its config.json)")
+    rope = _rope_scaling_type(hf)
+    if rope is None:
+        raise ValueError(f"{too_long}: its rope is not scaled, so positions past {max_pos} were never trained "
+                         "(KESTREL_ALLOW_LONG_CONTEXT=1 applies to scaled ropes only); "
+                         f"set context_length <= {max_pos}")
+    if not envs.allow_long_context():
+        raise ValueError(f"{too_long}; set context_length <= {max_pos}, or, to run its {rope!r} rope past them on "
+                         "purpose, set the environment variable KESTREL_ALLOW_LONG_CONTEXT=1")
+    logger.warning("%s; running its %r rope past them, as KESTREL_ALLOW_LONG_CONTEXT=1 asks: outputs past %d "
+                   "tokens may be wrong", too_long, rope, max_pos)
+    params_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = dict(hf.get(params_key) or {})
+    # A llama3 rope without it falls back to the model's positions, which change here.
+    params.setdefault("original_max_position_embeddings", max_pos)
+    return context_length, {**hf, key: context_length, params_key: params}
+
+
+def _rope_scaling_type(hf: dict[str, Any]) -> str | None:
+    """The rope scaling of a config.json ("linear", "llama3", "yarn", ...); None for a plain rope."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if isinstance(params.get("compress"), dict):  # DeepSeek-V4 (HF spelling) scales its compressed layers' rope
+        params = params["compress"]
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in (None, "default"):
+        return kind
+    return "yarn" if float(hf.get("rope_factor", 1.0)) != 1.0 else None  # DeepSeek-V4's native spelling
 
 
 def _check_server(server: ServerConfig) -> None:

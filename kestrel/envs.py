@@ -31,3 +31,9 @@ def triton_jit(fn):
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = saved
+
+
+def allow_long_context() -> bool:
+    """KESTREL_ALLOW_LONG_CONTEXT=1: accept a context_length past the checkpoint's positions when its rope
+    is scaled (read at config resolution; the engine process inherits it)."""
+    return os.environ.get("KESTREL_ALLOW_LONG_CONTEXT", "0").lower() in ("1", "true", "yes")

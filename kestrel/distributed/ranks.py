@@ -14,6 +14,7 @@ import atexit
 import logging
 import multiprocessing as mp
 import socket
+import sys
 import threading
 import time
 from multiprocessing.connection import wait
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from kestrel.config import EngineConfig
 from kestrel.core.batch import ScheduledBatch
 from kestrel.core.request import Request
-from kestrel.distributed.errors import RankFailedError
+from kestrel.distributed.errors import UNGUARDED_MAIN_EXIT_CODE, UNGUARDED_MAIN_HINT, RankFailedError
 from kestrel.distributed.parallel_state import ParallelState, destroy_parallel, init_parallel
 from kestrel.distributed.step_command import StepCommand
 from kestrel.distributed.worker import rank_main
@@ -50,6 +51,11 @@ def spawn_ranks(config: EngineConfig, ranks: range, address: str, eos_token_ids:
                 ) -> tuple[list[mp.Process], list]:
     """Start one process per rank in `ranks`; returns them and the pipe ends that keep them alive
     (closing one, or exiting, tells its rank to exit)."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        # This process is a rank still importing the script that spawned it (multiprocessing's own flag),
+        # and the script starts an engine at import time: multiprocessing would refuse with a page of text.
+        print(f"kestrel: {UNGUARDED_MAIN_HINT}", file=sys.stderr)
+        raise SystemExit(UNGUARDED_MAIN_EXIT_CODE)
     ctx = mp.get_context("spawn")
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     procs, alive = [], []
@@ -138,6 +144,8 @@ class TPRanks:
                         proc.join()
                         self.failure = (f"tensor-parallel rank {rank} (pid {proc.pid}) exited with exit code "
                                         f"{proc.exitcode}; the engine cannot go on without its shard")
+                        if proc.exitcode == UNGUARDED_MAIN_EXIT_CODE:
+                            self.failure = f"tensor-parallel rank {rank} could not start: {UNGUARDED_MAIN_HINT}"
                         break
             return True
 

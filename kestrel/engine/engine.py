@@ -214,7 +214,7 @@ class Engine:
         return self.scheduler.has_work() or self._inflight is not None
 
     def step(self) -> list[Request]:
-        """Run one batch; returns the requests that got a token or finished in this step.
+        """Run one batch; returns the requests that got a token or finished in this step, each once.
 
         With overlap scheduling (the default) the step launches batch N+1 and then resolves batch N,
         whose host work (stop checks, detokenizing, scheduling the next batch) overlaps batch N+1 on
@@ -225,10 +225,12 @@ class Engine:
         is resolved (its tokens accepted, while the forward runs), then the masks are filled and
         N+1 is sampled: masks are exact, overlap stays on, and no extra device sync is added.
 
-        A step that raises (the forward, the sampler, a stop check) finishes the requests of the
-        batches it touched with finish_reason "error" and frees their KV; the others go on. Under
-        tensor parallelism it raises RankFailedError instead: the ranks may be out of step (or one has
-        died), so the engine cannot go on; `shutdown()` still works.
+        A step that raises (the scheduler, the forward, the sampler) costs only the request whose data
+        fails: a single request finishes with finish_reason "error" and its KV is freed; several are put
+        back to run again one by one (`_fail_step`). A request's own host work on its tokens (a stop
+        check, its grammar) fails that request alone. Under tensor parallelism a failed step raises
+        RankFailedError instead: the ranks may be out of step (or one has died), so the engine cannot
+        go on; `shutdown()` still works.
         """
         start = time.perf_counter()
         done: list[Request] = []
@@ -260,23 +262,31 @@ class Engine:
             info = StepInfo(batch.mode.value, batch.batch_size, batch.num_tokens, time.perf_counter() - start)
             for hook in self._step_hooks:
                 hook(info)
-        return done
+        # A request can get tokens in two phases of one step: while speculating, the previous step's
+        # prefill resolves its first token and its first verify round follows at once (and may finish it).
+        return list(dict.fromkeys(done))
 
     def _fail_step(self, batch: ScheduledBatch | None, error: Exception) -> list[Request]:
-        """Finish the requests of the failed batch and of the one in flight (whose tokens may never
-        arrive) with an error; the scheduler forgets the half-built step."""
-        logger.exception("engine step failed; its requests finish with an error")
+        """The requests of the failed batch and of the one in flight (whose tokens may never arrive): one
+        alone finishes with an error. Several are put back as suspects (`Scheduler.suspect`), each to run
+        its prefill alone, so that only the one whose data fails finishes with an error and the others go
+        on with the tokens they would have had. Under tensor parallelism every one finishes with an error
+        (the engine stops). The scheduler forgets the half-built step."""
         message = f"{type(error).__name__}: {error}"
         inflight = self._inflight.reqs + self._inflight.prefill_only if self._inflight else []
-        reqs = (batch.reqs if batch is not None else []) + inflight
+        reqs = [r for r in dict.fromkeys((batch.reqs if batch is not None else []) + inflight) if not r.finished]
         self._inflight = None
         self.scheduler.kv.drain()  # writes and slots of a batch that never ran
-        failed = []
-        for req in dict.fromkeys(reqs):
-            if not req.finished:
-                self.scheduler.finish(req, "error", error=message)
-                failed.append(req)
-        return failed
+        if len(reqs) > 1 and self.ranks is None:
+            logger.warning("an engine step of %d requests failed (%s); each runs again alone to find the one at "
+                           "fault", len(reqs), message, exc_info=logger.isEnabledFor(logging.DEBUG))
+            for req in reqs:
+                self.scheduler.suspect(req)
+            return []
+        logger.exception("engine step failed; its requests finish with an error")
+        for req in reqs:
+            self.scheduler.finish(req, "error", error=message)
+        return reqs
 
     def add_step_hook(self, hook: Callable[[StepInfo], None]) -> None:
         """Call `hook(StepInfo)` after every step that ran a batch (benchmarks record steps with it)."""
@@ -301,8 +311,10 @@ class Engine:
         # Penalties are computed from the output tokens, so those must be on the host first (for every
         # request the next batch may hold: a prefilling one joins the decodes in a MIXED step); a
         # speculative round needs its requests' tokens to draft from.
+        # A suspect's solo step must resolve before the next batch launches, so that a failure in either is
+        # its own.
         return not self.config.scheduler.disable_overlap_schedule and self.spec_worker is None and \
-            not any(r.params.has_penalties for r in self.scheduler.live())
+            not self.scheduler.suspects and not any(r.params.has_penalties for r in self.scheduler.live())
 
     def _decode_tokens(self) -> int:
         """New positions per running request in the next decode step: a verify tree while speculating,
@@ -371,11 +383,14 @@ class Engine:
             if id(req) not in got:
                 continue
             done.append(req)
-            if logprobs is not None:
-                new = len(req.output_ids) - start
-                req.output_logprobs += logprobs[:new]
-                req.output_top_logprobs += top[:new]
-            self._check_stop_strings(req, start)
+            try:
+                if logprobs is not None:
+                    new = len(req.output_ids) - start
+                    req.output_logprobs += logprobs[:new]
+                    req.output_top_logprobs += top[:new]
+                self._check_stop_strings(req, start)
+            except Exception as e:  # noqa: BLE001 - this request's own host work: it alone fails
+                self._fail_request_work(req, e)
         return done
 
     def _resolve(self) -> list[Request]:
@@ -390,11 +405,14 @@ class Engine:
                 if id(req) not in got:
                     continue
                 done.append(req)
-                if logprob is not None:
-                    req.output_logprobs.append(logprob)
-                    req.output_top_logprobs.append(top)
-                self._advance_grammar(req)
-                self._check_stop_strings(req, len(req.output_ids) - 1)
+                try:
+                    if logprob is not None:
+                        req.output_logprobs.append(logprob)
+                        req.output_top_logprobs.append(top)
+                    self._advance_grammar(req)
+                    self._check_stop_strings(req, len(req.output_ids) - 1)
+                except Exception as e:  # noqa: BLE001 - this request's own host work: it alone fails
+                    self._fail_request_work(req, e)
         if launched.prompt is not None:
             launched.prompt.apply()
         for req in launched.prefill_only:
@@ -402,6 +420,20 @@ class Engine:
                 self.scheduler.finish(req, "length")
                 done.append(req)
         return done
+
+    def _fail_request_work(self, req: Request, error: Exception) -> None:
+        """A request's own host work on its new tokens (logprobs, grammar, stop strings) raised: its state
+        is half updated, so it finishes with an error; the batch goes on."""
+        logger.exception("request %s failed while taking its new tokens; it finishes with an error", req.rid)
+        self._finish_with_error(req, error)
+
+    def _finish_with_error(self, req: Request, error: Exception) -> None:
+        """finish_reason "error", also over a finish not reported yet (the failure comes after it)."""
+        message = f"{type(error).__name__}: {error}"
+        if req.finished:
+            req.finish_reason, req.matched_stop, req.error = "error", None, message
+        else:
+            self.scheduler.finish(req, "error", error=message)
 
     def step_deltas(self, touched: Iterable[str] = ()) -> list[tuple[Request, int]]:
         """One step (when there is work) for a caller that streams, such as the server's engine process.
@@ -420,13 +452,38 @@ class Engine:
                 stepped.add(id(req))
         news = []
         for req in reqs:
-            news.append((req, self._streamed.get(req.rid, 0)))
-            if req.finished:
-                self._streamed.pop(req.rid, None)
-                self.pop(req.rid)
-            else:
-                self._streamed[req.rid] = len(req.output_ids)
+            try:
+                news.append(self._report(req))
+            except Exception as e:  # noqa: BLE001 - a bug in this bookkeeping costs its request only
+                logger.exception("reporting request %s failed; it finishes with an error", req.rid)
+                news.append(self.fail_request(req, e))
         return news
+
+    def _report(self, req: Request) -> tuple[Request, int]:
+        start = self._streamed.get(req.rid, 0)
+        if req.finished:
+            self._streamed.pop(req.rid, None)
+            self.pop(req.rid)
+        else:
+            self._streamed[req.rid] = len(req.output_ids)
+        return req, start
+
+    def fail_request(self, req: Request, error: Exception) -> tuple[Request, int]:
+        """After a bug in the bookkeeping around a step (reporting a request's news, outside the forward
+        that `step` guards): finish `req` with finish_reason "error", free its KV and forget it, as a
+        failed step would. Returns its last report for `step_deltas`' caller: no new tokens, the finish."""
+        self._finish_with_error(req, error)
+        self._streamed.pop(req.rid, None)
+        self._texts.pop(req.rid, None)
+        self._reqs.pop(req.rid, None)
+        return req, len(req.output_ids)
+
+    def fail_all(self, error: Exception) -> list[tuple[Request, int]]:
+        """`fail_request` for every request the engine holds: after a bug whose reach is unknown (the
+        caller's loop failed outside any one request), the engine is left empty and can serve again."""
+        self._inflight = None
+        self.scheduler.kv.drain()  # writes and slots of a batch that may never have run
+        return [self.fail_request(req, error) for req in list(self._reqs.values())]
 
     def _advance_grammar(self, req: Request) -> None:
         """The request's matcher takes its new token; once the grammar can only end, the request

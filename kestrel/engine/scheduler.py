@@ -47,6 +47,8 @@ class Scheduler:
         self.running: list[Request] = []  # decoding, in admission order
         self.chunked: Request | None = None  # prefill in progress across steps
         self.finishing: set[Request] = set()  # past their last decode, waiting for their last token
+        # Requests of a failed step, put back to run their prefill alone (`suspect`), until it resolves.
+        self.suspects: set[Request] = set()
         self.num_retractions = 0
 
     # ---- queue management -------------------------------------------------------------------
@@ -79,13 +81,35 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         self.finishing.discard(req)
+        self.suspects.discard(req)
         self.kv.release(req, cache=error is None)
         req.status = RequestStatus.FINISHED
         req.pending.clear()  # tokens still on the device for it are dropped when they resolve
         req.finish_reason, req.matched_stop, req.error = reason, matched_stop, error
 
+    def suspect(self, req: Request) -> None:
+        """Put back a request of a step that failed with others: like a retraction it keeps its resolved
+        tokens (the pending ones are dropped: its prefill samples them again, from the same seeds), but
+        its KV is not trusted, so it is freed. Its prefill then runs alone (`schedule`), so that a
+        failure there is its own."""
+        if req in self.running:
+            self.running.remove(req)
+        if req is self.chunked:
+            self.chunked = None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.finishing.discard(req)
+        self.kv.release(req, cache=False)
+        req.pending.clear()
+        req.status = RequestStatus.WAITING
+        self.suspects.add(req)
+        self.add(req)
+
     # ---- batch selection --------------------------------------------------------------------
     def schedule(self, decode_tokens: int = 1) -> ScheduledBatch | None:
+        suspect = self._schedule_suspect()
+        if suspect is not None:
+            return self._batch(ForwardMode.EXTEND, [suspect], 1)
         prefill = self._schedule_prefill()
         mixed = self.config.enable_mixed_chunk and decode_tokens == 1
         if prefill and not (mixed and self.running):
@@ -114,11 +138,23 @@ class Scheduler:
                               out_cache_loc=new_slots, table_writes=writes, kv_moves=moves,
                               num_prefill=num_prefill, reqs=reqs)
 
-    def _schedule_prefill(self) -> list[Request]:
+    def _schedule_suspect(self) -> Request | None:
+        """A suspect's next prefill chunk, as a batch of its own (the others wait a step), if it fits."""
+        if not self.suspects or (self.chunked is not None and self.chunked not in self.suspects):
+            return None  # one chunked prefill at a time: the other one finishes first
+        if self.chunked in self.suspects:
+            req = self.chunked
+        else:
+            req = next((r for r in self.waiting if r in self.suspects), None)
+        picked = self._schedule_prefill([req]) if req is not None else []
+        return picked[0] if picked else None
+
+    def _schedule_prefill(self, candidates: list[Request] | None = None) -> list[Request]:
         budget = self.config.chunked_prefill_size
         budget = float("inf") if budget == -1 else budget
         picked: list[Request] = []
-        candidates = ([self.chunked] if self.chunked else []) + list(self.waiting)
+        if candidates is None:  # suspects run alone (`_schedule_suspect`)
+            candidates = [r for r in ([self.chunked] if self.chunked else []) + self.waiting if r not in self.suspects]
         if not candidates:
             return picked
         running = self.budget.reserve_terms(self.running)  # the same for every candidate
@@ -253,6 +289,7 @@ class Scheduler:
                 if self._stopped(req, token):
                     break
             got.append(req)
+            self.suspects.discard(req)  # its prefill ran alone and resolved: it rejoins the batches
         return got
 
     def _stopped(self, req: Request, token: int) -> bool:

@@ -99,12 +99,37 @@ class EngineLoop:
             if self.stats_sent_idle and engine.has_work():
                 self._send_stats()  # busy now: replace the idle snapshot at once, not a second later
                 self.stats_sent_idle = False
-            news = engine.step_deltas(touched)
-            if news:
+            if self._step(touched):
                 self.stats_sent_idle = False
-                self.outbox.send(StepOutput([self._delta(req, start) for req, start in news]))
             if time.monotonic() - self.last_stats >= STATS_INTERVAL_S:
                 self._send_stats()
+
+    def _step(self, touched: list[str]) -> bool:
+        """One engine step and its news to the HTTP process; False when there was none.
+
+        A bug in this bookkeeping (outside the forward, which `Engine.step` guards) costs the requests it
+        touched, as a failed forward does: they finish with an error and the loop goes on. When the step
+        as a whole fails, which requests it reached is unknown, so every request the engine holds fails."""
+        engine = self.engine
+        try:
+            news = engine.step_deltas(touched)
+        except RankFailedError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            logger.exception("the engine step failed outside its forward; every request finishes with an error")
+            news = engine.fail_all(e)
+        deltas = []
+        for req, start in news:
+            try:
+                deltas.append(self._delta(req, start))
+            except Exception as e:  # noqa: BLE001
+                logger.exception("reporting request %s failed; it finishes with an error", req.rid)
+                engine.fail_request(req, e)
+                deltas.append(TokenDelta(rid=req.rid, token_ids=[], finished=True, finish_reason="error",
+                                         error=req.error, prompt_tokens=len(req.prompt_ids)))
+        if deltas:
+            self.outbox.send(StepOutput(deltas))
+        return bool(deltas)
 
     def _receive(self, block: bool) -> list[Any]:
         """Every message waiting in the inbox; when `block`, wait for at least one (or for a

@@ -203,6 +203,8 @@ def test_draft_and_target_pools_share_one_slot_space_under_abort_and_retraction(
 
 
 def test_a_forward_that_raises_costs_only_its_own_requests(tiny_model):
+    """A step that fails once: alone, its request finishes with an error; with two, each runs again
+    alone and both get the tokens of a clean run. The engine goes on and every slot comes back."""
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     with Engine(model=tiny_model("llama"), device="cpu", dtype="float32", max_total_tokens=256) as engine:
         good = [o.token_ids for o in engine.generate(prompt_token_ids=[PROMPT, PROMPT[:5]], sampling_params=params)]
@@ -210,22 +212,58 @@ def test_a_forward_that_raises_costs_only_its_own_requests(tiny_model):
 
         def failing(batch):
             calls.append(batch)
-            if len(calls) == 3:  # a decode step of both requests
+            if len(calls) == 3:
                 raise RuntimeError("injected failure")
             return forward(batch)
 
         engine.runner.forward = failing
-        bad = engine.generate(prompt_token_ids=[PROMPT, PROMPT[:5]], sampling_params=params)
-        assert [o.meta["finish_reason"] for o in bad] == ["error", "error"]
-        assert all("injected failure" in o.meta["error"] for o in bad)
+        bad = engine.generate(prompt_token_ids=[PROMPT], sampling_params=params)
+        assert bad[0].meta["finish_reason"] == "error" and "injected failure" in bad[0].meta["error"]
         assert_pool_full(engine)
-        # The engine goes on: the next requests complete, and the same tokens come out.
+        calls.clear()  # the third forward is a decode step of both requests
         assert [o.token_ids for o in engine.generate(prompt_token_ids=[PROMPT, PROMPT[:5]],
                                                      sampling_params=params)] == good
+        assert not engine.scheduler.suspects
         assert_pool_full(engine)
         engine.add_request(prompt_token_ids=PROMPT, sampling_params=params)
         engine.step()
     # shutdown (the context manager) worked with a request in flight.
+
+
+POISON = 499  # a token id the fake fault below refuses
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("fault", ["token", "position"])
+def test_a_fault_in_one_requests_data_fails_only_that_request(tiny_model, fault, overlap):
+    """A forward that raises on one request's data (a token id in its prompt; a position only its long
+    prompt reaches while decoding, as an index past a rope table would): that request finishes with an
+    error, the other requests of its batches get exactly the tokens of a clean run."""
+    prompts = [PROMPT, PROMPT[:5], [11, 12, 13] * 12, PROMPT[3:], [POISON] + PROMPT[:4]]
+    culprit = 4 if fault == "token" else 2  # prompt 2 reaches position 40 with its 5th decode step
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    # No radix cache: the clean run's prefixes would spare the second run's prefills.
+    options = dict(device="cpu", dtype="float32", max_total_tokens=512, disable_radix_cache=True,
+                   disable_overlap_schedule=not overlap)
+    with Engine(model=tiny_model("llama"), **options) as engine:
+        clean = [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling_params=params)]
+        forward = engine.runner.forward
+
+        def faulty(batch, *args):
+            # The poison token at position 0: only the culprit's prompt (a generated 499 is not at 0).
+            if (POISON, 0) in zip(batch.input_ids, batch.positions) if fault == "token" else max(batch.positions) >= 40:
+                raise IndexError("injected: index 40 is out of bounds")
+            return forward(batch, *args)
+
+        engine.runner.forward = faulty
+        outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert [o.meta["finish_reason"] for o in outs] == ["error" if i == culprit else "length"
+                                                           for i in range(len(prompts))]
+        assert "injected" in outs[culprit].meta["error"]
+        assert [o.token_ids for i, o in enumerate(outs) if i != culprit] == \
+            [t for i, t in enumerate(clean) if i != culprit]
+        assert not engine.scheduler.suspects
+        assert_pool_full(engine)
 
 
 def test_triton_interpret_is_decided_once_at_import(tiny_model):

@@ -5,11 +5,17 @@ builds as few engines as it can.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from kestrel import Engine, SamplingParams
 from tests.e2e.test_engine import prompts_with_shared_prefixes
 
+REPO = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
 
 
@@ -137,3 +143,15 @@ def test_each_rank_loads_only_its_slices_and_together_they_make_the_model(tiny_m
     for rank in range(2):
         assert torch.equal(w[rank][qkv], torch.cat([q[rank * 32:(rank + 1) * 32], k[rank * 16:(rank + 1) * 16],
                                                     v[rank * 16:(rank + 1) * 16]]))
+
+
+def test_a_script_without_a_main_guard_is_told_what_to_do(tiny_model, tmp_path):
+    """Its rank re-imports the script and would build the engine again: one line says to guard it."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from kestrel import Engine\nEngine(model={tiny_model('llama')!r}, device='cpu', tp_size=2)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode != 0
+    assert 'RankFailedError: tensor-parallel rank 1 could not start: a script that creates Engine(tp_size > 1) must ' \
+           'do it under `if __name__ == "__main__":`' in done.stderr
+    assert "bootstrapping phase" not in done.stderr  # multiprocessing's page of text

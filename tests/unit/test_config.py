@@ -59,3 +59,29 @@ def test_device_cuda_without_a_gpu_is_a_clear_error(model_dir):
         pytest.skip("this machine has a GPU")
     with pytest.raises(ValueError, match="CUDA is not available"):
         EngineConfig.from_flat(model=model_dir, device="cuda").resolve()
+
+
+def test_a_context_length_past_the_models_positions_is_refused_naming_both(model_dir, monkeypatch):
+    monkeypatch.delenv("KESTREL_ALLOW_LONG_CONTEXT", raising=False)
+    assert resolve(model_dir, context_length=100).model.context_length == 100
+    with pytest.raises(ValueError, match=r"context_length=4096 is longer than the model's 128 positions "
+                                         r"\(max_position_embeddings.*rope is not scaled.*<= 128"):
+        resolve(model_dir, context_length=4096)
+    monkeypatch.setenv("KESTREL_ALLOW_LONG_CONTEXT", "1")  # a plain rope stays refused
+    with pytest.raises(ValueError, match="rope is not scaled"):
+        resolve(model_dir, context_length=4096)
+
+
+def test_a_scaled_rope_runs_past_its_positions_only_when_asked(tmp_path, monkeypatch):
+    monkeypatch.delenv("KESTREL_ALLOW_LONG_CONTEXT", raising=False)
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                     "max_position_embeddings": 128, "rope_scaling": rope}))
+    with pytest.raises(ValueError, match=r"longer than the model's 128 positions.*KESTREL_ALLOW_LONG_CONTEXT=1"):
+        resolve(str(tmp_path), context_length=512)
+    monkeypatch.setenv("KESTREL_ALLOW_LONG_CONTEXT", "1")
+    c = resolve(str(tmp_path), context_length=512)
+    hf = c.model.hf_config
+    # The model builds its rope tables for 512 positions; the llama3 scaling keeps its original 128.
+    assert c.model.context_length == hf["max_position_embeddings"] == 512
+    assert hf["rope_scaling"] == {**rope, "original_max_position_embeddings": 128}

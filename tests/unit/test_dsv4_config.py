@@ -28,12 +28,9 @@ def test_flash_slice_config_and_layout() -> None:
     assert layout.page_multiple == 128
 
 
-def test_hf_and_native_spellings_parse_alike() -> None:
-    from tests.model.dsv4_reference import RefConfig
-
-    ref = RefConfig()
-    native = parse_v4_config(ref.native_config())
-    hf = parse_v4_config({
+def hf_spelling(**rope: dict) -> dict:
+    """The HF spelling of the reference's tiny config; `rope` replaces parts of rope_parameters."""
+    return {
         "architectures": ["DeepseekV4ForCausalLM"], "vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 4,
         "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                         "compressed_sparse_attention"],
@@ -41,12 +38,35 @@ def test_hf_and_native_spellings_parse_alike() -> None:
         "o_lora_rank": 32, "sliding_window": 16,
         "rope_parameters": {"main": {"rope_type": "default", "rope_theta": 1e4},
                             "compress": {"rope_type": "yarn", "rope_theta": 1.6e5, "factor": 4,
-                                         "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}},
+                                         "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1},
+                            **rope},
         "index_n_heads": 4, "index_head_dim": 32, "index_topk": 8, "n_routed_experts": 8, "num_experts_per_tok": 2,
         "moe_intermediate_size": 64, "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
         "routed_scaling_factor": 1.5, "swiglu_limit": 1.0, "num_nextn_predict_layers": 1,
-        "max_position_embeddings": 4096, "eos_token_id": 1})
-    assert hf == native
+        "max_position_embeddings": 4096, "eos_token_id": 1}
+
+
+def test_hf_and_native_spellings_parse_alike() -> None:
+    from tests.model.dsv4_reference import RefConfig
+
+    native = parse_v4_config(RefConfig().native_config())
+    assert parse_v4_config(hf_spelling()) == native
+    # transformers writes the attention factor it applies: 1 is what V4 uses.
+    compress = hf_spelling()["rope_parameters"]["compress"]
+    assert parse_v4_config(hf_spelling(compress={**compress, "attention_factor": 1.0})) == native
+
+
+def test_rope_settings_v4_does_not_use_are_refused() -> None:
+    """transformers applies them; kestrel would silently compute other logits."""
+    compress = hf_spelling()["rope_parameters"]["compress"]
+    with pytest.raises(ValueError, match=r"attention_factor=0\.8.*compressed layers' rope only.*set it to 1"):
+        parse_v4_config(hf_spelling(compress={**compress, "attention_factor": 0.8}))
+    main = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4, "original_max_position_embeddings": 64}
+    with pytest.raises(ValueError, match=r"rope_parameters.main has rope_type 'yarn'.*plain rope"):
+        parse_v4_config(hf_spelling(main=main))
+    legacy = {k: v for k, v in hf_spelling().items() if k != "rope_parameters"}
+    with pytest.raises(ValueError, match="attention_factor=2"):
+        parse_v4_config({**legacy, "rope_scaling": {**compress, "attention_factor": 2}})
 
 
 def test_bad_compress_ratio_is_a_clear_error() -> None:

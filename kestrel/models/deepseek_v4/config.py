@@ -13,6 +13,10 @@ COMPRESS_RATIOS = (0, 4, 128)
 # HF's names for the three attention kinds (spec §1.2).
 _LAYER_TYPE_RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+# What a config.json may ask of the rope, said where it asks for more (refused: silently dropping it would
+# give other logits than transformers, which applies both).
+_V4_YARN = ("DeepSeek-V4 applies YaRN (factor, original_max_position_embeddings, beta_fast, beta_slow) to the "
+            "compressed layers' rope only (rope_parameters.compress), without an attention factor")
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,9 @@ def _parse_hf(c: dict[str, Any]) -> V4Config:
     rope = c.get("rope_parameters") or {}
     if isinstance(rope.get("compress"), dict):  # transformers >= 5.24 nests the two ropes
         main, comp = rope.get("main", {}), rope["compress"]
+        if main.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_parameters.main has rope_type {main['rope_type']!r}, which kestrel does not apply: "
+                             f"DeepSeek-V4 rotates its sliding-window layers with plain rope ({_V4_YARN})")
         rope_theta = main.get("rope_theta", c.get("rope_theta", 10000.0))
         compress_theta = comp.get("rope_theta", c.get("compress_rope_theta", 160000.0))
         yarn_params = comp if comp.get("rope_type") == "yarn" else None
@@ -158,6 +165,10 @@ def _parse_hf(c: dict[str, Any]) -> V4Config:
         rope_theta, compress_theta = c.get("rope_theta", 10000.0), c.get("compress_rope_theta", 160000.0)
         scaling = c.get("rope_scaling") or rope
         yarn_params = scaling if scaling.get("rope_type", scaling.get("type")) == "yarn" else None
+    factor = (yarn_params or {}).get("attention_factor")
+    if factor is not None and float(factor) != 1.0:
+        raise ValueError(f"the YaRN rope parameters set attention_factor={factor}, which kestrel does not apply: "
+                         f"{_V4_YARN}; remove it or set it to 1")
     yarn = None if yarn_params is None else YarnConfig(
         float(yarn_params["factor"]), int(yarn_params["original_max_position_embeddings"]),
         float(yarn_params.get("beta_fast", 32)), float(yarn_params.get("beta_slow", 1)))
