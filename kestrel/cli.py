@@ -48,6 +48,8 @@ HELP = {
     "max_queued_requests": "engine requests held beyond --max-running-requests; past it, 503 with Retry-After "
                            "(default: 1024)",
     "shutdown_timeout": "seconds running requests get to finish after SIGTERM before they are aborted (default: 30)",
+    "request_read_timeout": "seconds a client has to send a request's headers, and between two reads of its "
+                            "body; past them the connection is closed, 408 mid-body (default: 30)",
     "tokenizer_pool_size": "processes tokenizing long prompts off the event loop (default: 2)",
     "tool_call_parser": "the format of the model's tool calls, to parse them and force them (tool_choice): "
                         "llama3, qwen25 or hermes (also the bundled demo's); default: no tool calls",
@@ -108,14 +110,17 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from kestrel.server.launch import ServerStartError, serve
+    from kestrel.server.process_exit import skip_teardown_on_exit
 
     try:
-        return serve(config_from_args(args), served_model_name=args.served_model_name)
+        code = serve(config_from_args(args), served_model_name=args.served_model_name)
     except ServerStartError as e:
         print(f"kestrel: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    skip_teardown_on_exit(code)  # the server stopped everything it started: the rest would only take seconds
+    return code
 
 
 def _explain(args: argparse.Namespace) -> int:

@@ -129,6 +129,9 @@ class ServerConfig:
     max_queued_requests: int = 1024
     # On SIGTERM, seconds running requests get to finish before they are aborted.
     shutdown_timeout: float = 30.0
+    # Seconds a client has to send a request's headers (from connecting, or from the previous
+    # response) and between two reads of its body; past them the connection is closed (408 mid-body).
+    request_read_timeout: float = 30.0
     # Processes that tokenize (and apply chat templates to) long prompts off the event loop.
     tokenizer_pool_size: int = 2
     # The format of the model's tool calls (SGLang's names: llama3, qwen25, hermes); None: no tools.
@@ -338,6 +341,8 @@ def _check_server(server: ServerConfig) -> None:
         raise ValueError(f"max_queued_requests must be >= 0, got {server.max_queued_requests}")
     if not server.shutdown_timeout >= 0:  # also catches NaN
         raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {server.shutdown_timeout}")
+    if not server.request_read_timeout > 0:  # also catches NaN
+        raise ValueError(f"request_read_timeout must be > 0 seconds, got {server.request_read_timeout}")
     if server.tokenizer_pool_size < 1:
         raise ValueError(f"tokenizer_pool_size must be >= 1, got {server.tokenizer_pool_size}")
     if server.tool_call_parser is not None:

@@ -74,7 +74,7 @@ class InternalErrorMiddleware:
             await APIError(500, f"internal server error: {type(e).__name__}: {e}").response()(scope, receive, send)
 
 
-def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
+def build_app(state: ServerState, max_request_bytes: int, request_read_timeout: float) -> FastAPI:
     app = FastAPI(title="kestrel", description="OpenAI-compatible and SGLang-native LLM serving",
                   docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     openapi.install(app)
@@ -82,7 +82,7 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
     app.add_middleware(InternalErrorMiddleware)
     if state.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes, read_timeout=request_read_timeout)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> Response:

@@ -1,11 +1,18 @@
-"""The request body's size limit (`--max-request-bytes`), enforced before the body is parsed.
+"""The request body's limits, enforced while it is read: its size (`--max-request-bytes`) and the
+time between two of its reads (`--request-read-timeout`).
 
 A body that announces a larger `Content-Length` is answered 413 at once, without reading a byte of
 it; a chunked one is counted as it arrives and answered 413 as soon as it passes the limit, so the
 HTTP process never holds more than the limit for one request. uvicorn discards the part of the body
 nobody read, so a client that sends it all still reads the 413 and may reuse the connection.
+
+A client that stops sending its body is answered 408 and the connection closed, instead of holding
+it (and the request's coroutine) forever. Once the body is complete, waiting on `receive` means
+waiting for a disconnect, which has no time limit.
 """
 from __future__ import annotations
+
+import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -18,6 +25,12 @@ def _too_large(max_bytes: int, size: int | None) -> APIError:
                          "(--max-request-bytes)", code="request_too_large")
 
 
+def _too_slow(read_timeout: float) -> APIError:
+    return APIError(408, f"no part of the request body arrived for {read_timeout:g} s (--request-read-timeout); "
+                         "send the whole body without pausing", code="request_timeout",
+                    headers={"Connection": "close"})  # what is left of the body will not be read
+
+
 def _content_length(scope: Scope) -> int | None:
     for name, value in scope["headers"]:
         if name == b"content-length":
@@ -26,9 +39,10 @@ def _content_length(scope: Scope) -> int | None:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout = read_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -39,14 +53,23 @@ class BodyLimitMiddleware:
             await _too_large(self.max_bytes, size).response()(scope, receive, send)
             return
         received = 0
+        body_done = False
 
-        async def counted_receive() -> Message:
-            nonlocal received
-            message = await receive()
+        async def checked_receive() -> Message:
+            nonlocal received, body_done
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout)
+            except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
+                raise _too_slow(self.read_timeout) from None  # the app's APIError handler answers it
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if received > self.max_bytes:
-                    raise _too_large(self.max_bytes, None)  # the app's APIError handler answers it
+                    raise _too_large(self.max_bytes, None)
+            else:  # http.disconnect: nothing more will come
+                body_done = True
             return message
 
-        await self.app(scope, counted_receive, send)
+        await self.app(scope, checked_receive, send)

@@ -6,6 +6,11 @@ event loop when the pipe is readable, that routes every `TokenDelta` to the queu
 request it belongs to, updating the metrics on the way. End of file on the pipe means the engine
 process died: every waiting request then gets a 503, and so does every new one, until `on_dead`
 (the EngineSupervisor) has put a new client in this one's place.
+
+A message that cannot be sent (it does not pickle) fails its own request with a 500 and nothing
+else. If the sending thread or the receiving task fails all the same (a bug), this client is
+dead as if the engine process had died: requests get 503, /health 503, and the supervisor starts a
+new engine process with new pipes, thread and task.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from kestrel.config import EngineConfig
@@ -29,6 +35,10 @@ from kestrel.server.messages import (AbortRequests, AddRequests, Admission, Engi
 from kestrel.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
+
+# After Shutdown (or end of file on its inbox) the engine process ends within a step and exits without
+# the interpreter's teardown (see process_exit); past this it is killed, so shutdown stays bounded.
+ENGINE_EXIT_TIMEOUT_S = 1.5
 
 
 class EngineStartError(RuntimeError):
@@ -126,9 +136,11 @@ class EngineClient:
         self._sender.start()
         self._loop.add_reader(self._outbox.fileno(), self._readable.set)
         self._dispatcher = self._loop.create_task(self._dispatch_loop(), name="kestrel-engine-dispatcher")
+        self._dispatcher.add_done_callback(self._dispatcher_done)
 
-    async def shutdown(self, timeout: float = 10.0) -> None:
-        """Ask the engine to abort what still runs and exit; kill it if it does not. Idempotent."""
+    async def shutdown(self, timeout: float = ENGINE_EXIT_TIMEOUT_S) -> None:
+        """Ask the engine to abort what still runs and exit; kill it if it does not within `timeout`
+        seconds. Idempotent."""
         if self._inbox.closed:
             return
         if self._loop is not None:
@@ -139,12 +151,13 @@ class EngineClient:
         self._send_queue.put(None)  # stops the sender thread after the Shutdown went out
         if self._sender.is_alive():
             await asyncio.to_thread(self._sender.join, timeout)
+        # End of file on its inbox also stops the engine: the one way left when the sender is gone.
+        self._inbox.close()  # a restarted engine gets new pipes: do not leak these
         await asyncio.to_thread(self.process.join, timeout)
         if self.process.is_alive():  # it ignores SIGTERM (see engine_main), so kill
-            logger.warning("the engine process did not exit within %.0f s; killing it", timeout)
+            logger.warning("the engine process did not exit within %.1f s; killing it", timeout)
             self.process.kill()
             self.process.join()
-        self._inbox.close()  # a restarted engine gets new pipes: do not leak these
         self._outbox.close()
 
     @property
@@ -186,15 +199,52 @@ class EngineClient:
         self._send_queue.put(msg)
 
     def _send_loop(self) -> None:
-        while (msg := self._send_queue.get()) is not None:
+        try:
+            while (msg := self._send_queue.get()) is not None:
+                try:
+                    data = ForkingPickler.dumps(msg)  # what Connection.send does, apart from the write
+                except Exception as e:  # this message only, e.g. a value nested too deep to pickle
+                    self._on_loop(self._unsendable, msg, e)
+                    continue
+                try:
+                    self._inbox.send_bytes(data)
+                except OSError as e:
+                    if not isinstance(msg, Shutdown):
+                        self._on_loop(self._on_dead, f"the engine process is gone ({e})")
+                    return
+        except BaseException as e:
+            logger.exception("the thread that sends requests to the engine process failed")
+            self._on_loop(self._on_dead, f"the thread that sends requests to the engine process failed "
+                                         f"({type(e).__name__}: {e})")
+
+    def _on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Call `fn(*args)` on the event loop, from the sender thread (not at all once the loop is closed)."""
+        if self._loop is not None:
             try:
-                self._inbox.send(msg)
-            except OSError as e:
-                if self._loop is not None and not isinstance(msg, Shutdown):
-                    self._loop.call_soon_threadsafe(self._on_dead, f"the engine process is gone ({e})")
-                return
+                self._loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the event loop is closed: the server has stopped
+                pass
+
+    def _unsendable(self, msg: Any, error: Exception) -> None:
+        """`msg` could not be pickled for the engine: fail its request group, which the engine never saw."""
+        logger.error("could not send %s to the engine process: %s: %s", type(msg).__name__, type(error).__name__,
+                     error)
+        if not isinstance(msg, AddRequests):
+            return  # an abort: the request ends anyway, by its own finish or by the engine's shutdown
+        group = self._groups.pop(msg.group, None)
+        for r in msg.reqs:
+            self._tracked.pop(r.rid, None)
+        if group is not None and not group.admitted.done():
+            group.admitted.set_exception(APIError(500, f"the request could not be handed to the engine: "
+                                                       f"{type(error).__name__}: {error}", code="internal_error"))
 
     # ---- outputs -------------------------------------------------------------------------------
+    def _dispatcher_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (error := task.exception()) is not None:
+            logger.error("the task that reads the engine process's outputs failed", exc_info=error)
+            self._on_dead(f"the task that reads the engine process's outputs failed ({type(error).__name__}: "
+                          f"{error})")
+
     async def _dispatch_loop(self) -> None:
         while True:
             await self._readable.wait()

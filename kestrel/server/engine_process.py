@@ -18,6 +18,7 @@ from kestrel.core.request import Request
 from kestrel.distributed.errors import RankFailedError
 from kestrel.server.messages import (AbortRequests, AddRequests, Admission, EngineFailed, EngineReady,
                                      Shutdown, StepOutput, TokenDelta)
+from kestrel.server.process_exit import skip_teardown_on_exit
 
 if TYPE_CHECKING:
     from kestrel.engine.engine import Engine
@@ -28,7 +29,18 @@ STATS_INTERVAL_S = 1.0  # while busy; besides, stats go out on every change betw
 
 
 def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, log_level: str) -> None:
-    """Entry point of the engine process (multiprocessing, spawn context)."""
+    """Entry point of the engine process (multiprocessing, spawn context). Its exit status is 0 after
+    `Shutdown` or end of file on the inbox, 1 when the model did not load or the loop failed."""
+    # Once the engine (and its tensor-parallel ranks) is shut down, unloading torch would take seconds.
+    try:
+        _run_engine(config, inbox, outbox, log_level)
+    except SystemExit as e:
+        skip_teardown_on_exit(e.code if isinstance(e.code, int) else 1)
+        raise
+    skip_teardown_on_exit(0)
+
+
+def _run_engine(config: EngineConfig, inbox: Connection, outbox: Connection, log_level: str) -> None:
     # Ctrl-C (and a service manager's SIGTERM) reach the whole process group: the HTTP process lets
     # running requests finish, then sends Shutdown. If it dies instead, our inbox reads end of file.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

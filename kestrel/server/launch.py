@@ -20,7 +20,8 @@ from kestrel.server.admission import AdmissionControl
 from kestrel.server.app import build_app
 from kestrel.server.engine_client import EngineClient, EngineStartError
 from kestrel.server.metrics import ServerMetrics
-from kestrel.server.shutdown import ABORT_GRACE_S, Drain, Server
+from kestrel.server.read_timeout import header_timeout_protocol
+from kestrel.server.shutdown import CONNECTION_GRACE_S, Drain, Server
 from kestrel.server.state import ServerState
 from kestrel.server.supervisor import EngineSupervisor
 from kestrel.server.tokenization import Tokenization
@@ -94,10 +95,12 @@ def serve(config: EngineConfig, served_model_name: str | None = None) -> int:
         state = ServerState(client, tokenization, name, config.model.model, metrics, admission,
                             server_config.api_key, parser)
         debug = server_config.log_level.lower() == "debug"
-        # Drain ends every request before uvicorn stops, so uvicorn's own grace period only bounds a wedged engine.
-        uv_config = uvicorn.Config(build_app(state, server_config.max_request_bytes), host=server_config.host,
-                                   log_config=None, access_log=debug, timeout_graceful_shutdown=ABORT_GRACE_S,
-                                   lifespan="off")
+        # Drain ends every request before uvicorn stops, so uvicorn's own grace period only bounds a
+        # connection still sending its request.
+        app = build_app(state, server_config.max_request_bytes, server_config.request_read_timeout)
+        uv_config = uvicorn.Config(app, host=server_config.host, log_config=None, access_log=debug,
+                                   http=header_timeout_protocol(server_config.request_read_timeout),
+                                   timeout_graceful_shutdown=CONNECTION_GRACE_S, lifespan="off")
         server = Server(uv_config, lambda port: url(server_config.host, port))
         return asyncio.run(_serve(server, sock, state, config, server_config.shutdown_timeout))
     finally:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import random
 import typing
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.server.errors import APIError, bad_request, from_validation_error
+from kestrel.server.request_limits import check_grammar
 from kestrel.server.structured import GRAMMAR_FIELDS, response_format_grammar
 from kestrel.server.tokenization import lone_surrogate
 
@@ -62,6 +63,9 @@ class _OpenAISampling(_Body):
     def _check(self) -> None:
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
+        check_grammar(self.response_format, "response_format", "response_format")
+        for name in GRAMMAR_FIELDS:
+            check_grammar(getattr(self, name), name, name, json_text=name == "json_schema")
         for name in ("stop", "response_format", *GRAMMAR_FIELDS):
             if problem := lone_surrogate(getattr(self, name), name):
                 raise bad_request(problem, name)
@@ -150,6 +154,7 @@ class ChatCompletionRequest(_OpenAISampling):
     def check(self) -> None:
         """What the field types cannot say: unsupported combinations, text no tokenizer can take."""
         self._check()
+        check_grammar([t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None, "tools", "tools")
         if problem := lone_surrogate([t.model_dump() for t in self.tools or []], "tools"):
             raise bad_request(problem, "tools")
         if self.top_logprobs is not None and not self.logprobs:
@@ -161,6 +166,8 @@ class ChatCompletionRequest(_OpenAISampling):
 
 class GenerateRequest(_Body):
     """SGLang's native `/generate`."""
+
+    nested_fields: ClassVar[tuple[str, ...]] = ("sampling_params",)  # its fields are the client's values
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -226,6 +233,9 @@ def native_sampling_params(raw: dict[str, Any] | None,
         body = NativeSamplingParams.model_validate(raw)
     except ValidationError as e:
         raise from_validation_error(e) from None
+    for name in (*GRAMMAR_FIELDS, "structural_tag"):
+        check_grammar(getattr(body, name), f"sampling_params.{name}", name,
+                      json_text=name in ("json_schema", "structural_tag"))
     for name in ("stop", *GRAMMAR_FIELDS, "structural_tag"):
         if problem := lone_surrogate(getattr(body, name), f"sampling_params.{name}"):
             raise bad_request(problem, name)

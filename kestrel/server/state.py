@@ -18,6 +18,7 @@ from kestrel.server.errors import APIError, bad_request, from_validation_error
 from kestrel.server.generation import Generation
 from kestrel.server.metrics import ServerMetrics
 from kestrel.server.protocol import fit_max_tokens, prompt_too_long, validated
+from kestrel.server.request_limits import check_nesting
 from kestrel.server.sse import ClientGone, EventStream, until_disconnect
 from kestrel.server.tokenization import INLINE_BODY_BYTES, PromptError, PromptTooLong, Tokenization
 from kestrel.server.tool_parsers import ToolParser
@@ -118,13 +119,16 @@ def _no_constant(name: str) -> Any:
 
 
 async def parse_body(request: Request, model: type[B]) -> tuple[B, int]:
-    """The JSON body validated against `model`, and its size in bytes; 400 for malformed JSON or
-    invalid fields (413 for too large a body comes from BodyLimitMiddleware while it is read)."""
+    """The JSON body validated against `model`, and its size in bytes; 400 for malformed JSON, a field
+    nested too deep (see request_limits) or invalid fields (413 for too large a body comes from
+    BodyLimitMiddleware while it is read)."""
     raw = await request.body()
     try:
         data = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if isinstance(data, dict):  # before anything walks it: validation, pickling, templates, compilers
+        check_nesting(data, getattr(model, "nested_fields", ()))
     try:
         return model.model_validate(data), len(raw)
     except ValidationError as e:

@@ -1,6 +1,7 @@
 """Restarting the engine process when it dies, in the same server process.
 
-When the engine process dies (killed, out of memory, a crash), `EngineClient` fails the requests it
+When the engine process dies (killed, out of memory, a crash), or the client's own sender thread or
+dispatcher task fails (its pipes are then in an unknown state), `EngineClient` fails the requests it
 had with 503 `engine_dead` and `/metrics` shows `kestrel:engine_alive 0`. The supervisor then starts
 a new engine process, which loads the model again; meanwhile new requests get 503 `engine_dead` and
 `/health` 503. Once it is ready, the new client takes the old one's place and the server serves again

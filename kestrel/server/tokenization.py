@@ -8,6 +8,10 @@ encoded in a thread), and a process also keeps the memory a huge prompt needs wh
 (about 200 bytes per character) out of the HTTP process. A prompt too long for the context comes
 back as its length only, never as its ids.
 
+A worker gives the memory of a long prompt back to the system once it is done with it: glibc keeps
+freed memory for reuse otherwise (measured with the demo model: a worker went from 78 MB to 372 MB
+for a refused 3.9 MB prompt and kept it; with `malloc_trim` after each job it is back to 78 MB).
+
 Bad text is a `PromptError` (a 400 for the caller): a lone UTF-16 surrogate (JSON can spell one,
 `"\\ud800"`; no tokenizer can encode it), a chat template that refuses the messages, anything else
 the tokenizer raises on.
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
+import ctypes.util
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -28,6 +34,7 @@ from typing import Any, TypeVar
 
 from kestrel.engine.tokenizer import apply_chat_template
 from kestrel.server.errors import APIError
+from kestrel.server.process_exit import skip_teardown_on_exit
 
 INLINE_BODY_BYTES = 16 * 1024  # ~4k tokens of text: about 1 ms to encode on one CPU core
 
@@ -100,6 +107,16 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], limit: int, para
 # ---- the worker processes -----------------------------------------------------------------------
 # A pool worker's one tokenizer, set once by its initializer: per-process state is what a worker is for.
 _worker_tokenizer: Any = None
+# glibc's malloc_trim, or None on another C library.
+_malloc_trim: Callable[[int], int] | None = None
+
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # no such C library, or not glibc
+        return None
 
 
 def _init_worker(tokenizer: Any) -> None:
@@ -108,8 +125,10 @@ def _init_worker(tokenizer: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, name="kestrel-tokenizer-orphan-check", daemon=True).start()
-    global _worker_tokenizer
+    skip_teardown_on_exit(0)  # the pool shuts the worker down; unloading transformers would take a second
+    global _worker_tokenizer, _malloc_trim
     _worker_tokenizer = tokenizer
+    _malloc_trim = _find_malloc_trim()
 
 
 def _exit_with_parent() -> None:
@@ -120,7 +139,11 @@ def _exit_with_parent() -> None:
 
 
 def _in_worker(fn: Callable[..., T], *args: Any) -> T:
-    return fn(_worker_tokenizer, *args)
+    try:
+        return fn(_worker_tokenizer, *args)
+    finally:
+        if _malloc_trim is not None:  # ~1 ms after a short prompt, 0.1 s after 4 MB of text
+            _malloc_trim(0)
 
 
 def _ready() -> None:

@@ -62,7 +62,7 @@ async def _exchange() -> tuple[httpx.Response, httpx.Response, bytes]:
     state = ServerState(client, None, "fake", "/nowhere", metrics, AdmissionControl(8))
     client.start()
     try:
-        transport = httpx.ASGITransport(app=build_app(state, 2**20))
+        transport = httpx.ASGITransport(app=build_app(state, 2**20, 30.0))
         async with httpx.AsyncClient(transport=transport, base_url="http://kestrel") as http:
             body = {"prompt": [1, 2, 3], "max_tokens": 5}
             whole = await http.post("/v1/completions", json=body)

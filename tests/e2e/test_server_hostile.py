@@ -1,5 +1,6 @@
 """Hostile and oversized input against a live `kestrel serve`: every one a 4xx naming the field, the
-event loop never blocked, the HTTP process's memory bounded, the connection reusable."""
+event loop never blocked, the HTTP process's memory bounded, the connection reusable; stalled
+connections closed."""
 from __future__ import annotations
 
 from http.client import HTTPConnection
@@ -12,17 +13,20 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.server_process import ServerProcess, memory_mib, wait_idle
+from kestrel.server.request_limits import MAX_GRAMMAR_BYTES, MAX_NESTING
+from tests.e2e.server_process import ServerProcess, children, memory_mib, wait_idle
 
 KEY = "sk-hostile"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CONTEXT = 1024
 LIMIT = 4 * 2**20  # the default --max-request-bytes
+READ_TIMEOUT = 3  # --request-read-timeout, seconds
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    srv = ServerProcess(tiny_model("llama", max_position_embeddings=CONTEXT), "--api-key", KEY)
+    srv = ServerProcess(tiny_model("llama", max_position_embeddings=CONTEXT), "--api-key", KEY,
+                        "--tool-call-parser", "hermes", "--request-read-timeout", str(READ_TIMEOUT))
     yield srv
     srv.stop()
 
@@ -84,10 +88,13 @@ def test_a_body_over_the_limit_gets_413_before_it_is_read(server, http):
 
 def test_a_huge_prompt_never_stalls_health_or_other_requests_and_memory_comes_back(server, http):
     """Just under the body limit, a prompt far longer than the context: tokenizing it takes seconds.
-    Meanwhile /health answers within ~100 ms, a short completion goes through, and the HTTP process
-    neither holds the tokenizer's memory nor keeps what it needed."""
+    Meanwhile /health answers within ~100 ms, a short completion goes through, the HTTP process
+    neither holds the tokenizer's memory nor keeps what it needed, and the tokenizer worker that
+    encoded it gives that memory back."""
     http.post("/v1/completions", json={"prompt": "warm up", "max_tokens": 1})
     before = memory_mib(server.proc.pid)
+    workers = tokenizer_workers(server, http)
+    workers_before = {pid: memory_mib(pid)["VmRSS"] for pid in workers}
     body = raw_json({"prompt": ("hello world " * (LIMIT // 12))[:LIMIT - 100], "max_tokens": 4})
     assert LIMIT - 200 < len(body) <= LIMIT
     result: dict = {}
@@ -118,9 +125,21 @@ def test_a_huge_prompt_never_stalls_health_or_other_requests_and_memory_comes_ba
     assert short and max(short) < 2.0, short
     assert after["VmHWM"] - before["VmHWM"] < 150, (before, after)  # inline: +500 MB for this prompt
     assert after["VmRSS"] - before["VmRSS"] < 64, (before, after)
+    workers_after = {pid: memory_mib(pid)["VmRSS"] for pid in workers}
+    # Without giving it back, the worker that encoded the prompt kept about +300 MB.
+    assert all(workers_after[pid] - workers_before[pid] < 100 for pid in workers), (workers_before, workers_after)
     r = result["response"]
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert f"maximum context length is {CONTEXT} tokens" in r.json()["error"]["message"]
+
+
+def tokenizer_workers(server: ServerProcess, http: httpx.Client) -> list[int]:
+    """The server's children other than its engine process and multiprocessing's resource tracker."""
+    engine = http.get("/server_info").json()["engine_pid"]
+    kids = [pid for pid in children(server.proc.pid) if pid != engine]
+    workers = [pid for pid in kids if b"resource_tracker" not in open(f"/proc/{pid}/cmdline", "rb").read()]
+    assert len(workers) == 2, workers  # --tokenizer-pool-size
+    return workers
 
 
 # ---- text the tokenizer cannot take -------------------------------------------------------------------
@@ -168,6 +187,104 @@ def test_non_finite_numbers_are_400_naming_the_field(server):
             assert status == 400 and payload["error"]["param"] == param, (body, payload)
     finally:
         conn.close()
+
+
+# ---- output constraints: nesting and size ---------------------------------------------------------
+def nested_schema(levels: int) -> dict:
+    """A JSON schema of objects nested `levels` deep: 2 levels of JSON each, plus the innermost one."""
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+DEEP = nested_schema(150)  # 301 levels of JSON, 13 KB: it killed the thread that sends work to the engine
+CHAT = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+
+
+def tools(parameters: dict) -> dict:
+    return {"tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}],
+            "tool_choice": "required"}
+
+
+def response_format(schema: dict) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+
+
+def sampling(**fields) -> dict:
+    return {"text": "x", "sampling_params": {"max_new_tokens": 4, **fields}}
+
+
+TOO_BIG = "a" * (MAX_GRAMMAR_BYTES + 1)
+WIDE = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "d" * 100} for i in range(10**4)}}
+REFUSED_CONSTRAINTS = [
+    ("/generate", sampling(json_schema=DEEP), "json_schema"),
+    ("/generate", sampling(json_schema=json.dumps(DEEP)), "json_schema"),
+    ("/generate", sampling(structural_tag=json.dumps({"type": "structural_tag",
+                                                      "format": {"type": "json_schema", "json_schema": DEEP}})),
+     "structural_tag"),
+    ("/generate", sampling(regex=TOO_BIG), "regex"),
+    ("/generate", sampling(ebnf=f'root ::= "{TOO_BIG}"'), "ebnf"),
+    ("/v1/chat/completions", {**CHAT, **response_format(DEEP)}, "response_format"),
+    ("/v1/chat/completions", {**CHAT, **response_format(WIDE)}, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "json_schema": DEEP}, "json_schema"),
+    ("/v1/chat/completions", {**CHAT, **tools(DEEP)}, "tools"),
+    ("/v1/chat/completions", {**CHAT, **tools(WIDE)}, "tools"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4, **response_format(DEEP)}, "response_format"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4, "regex": TOO_BIG}, "regex"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", REFUSED_CONSTRAINTS,
+                         ids=[f"{path} {param} {i}" for i, (path, _, param) in enumerate(REFUSED_CONSTRAINTS)])
+def test_a_too_deep_or_too_large_constraint_is_400_naming_the_field_and_the_server_serves_on(server, path, body,
+                                                                                            param):
+    conn = KeepAlive(server)
+    try:
+        status, payload = conn.post(path, raw_json(body))
+        assert status == 400 and payload["error"]["param"] == param, payload
+        message = payload["error"]["message"]
+        assert f"at most {MAX_NESTING} " in message or f"at most {MAX_GRAMMAR_BYTES} bytes" in message, message
+        for next_path, next_body in [("/v1/completions", {"prompt": "after", "max_tokens": 2}),
+                                     ("/generate", sampling()), ("/v1/chat/completions", CHAT)]:
+            status, payload = conn.post(next_path, raw_json(next_body))  # the same connection: still usable
+            assert status == 200, (next_path, payload)
+    finally:
+        conn.close()
+
+
+def test_a_schema_within_the_nesting_limit_is_served(http):
+    r = http.post("/generate", json=sampling(json_schema=nested_schema((MAX_NESTING - 2) // 2)))  # 63 levels
+    assert r.status_code == 200 and r.json()["text"].startswith("{"), r.text
+    r = http.post("/v1/chat/completions", json={**CHAT, **response_format(nested_schema(4))})
+    assert r.status_code == 200, r.text
+
+
+# ---- connections that stall ----------------------------------------------------------------------------
+def test_a_connection_that_stalls_before_its_headers_end_or_in_its_body_is_closed(server):
+    """Connections that send nothing, half their headers, or headers and part of the body: closed after
+    --request-read-timeout (the last with a 408), not held forever."""
+    headers = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    sends = {"nothing": b"", "half the headers": headers.encode(),
+             "part of the body": (headers + "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                                  '{"prompt": ').encode()}
+    conns = {name: socket.create_connection(("127.0.0.1", server.port), timeout=10 * READ_TIMEOUT)
+             for name in sends}
+    answers = {}
+    try:
+        for name, data in sends.items():
+            conns[name].sendall(data)
+        for name, conn in conns.items():
+            answer = b""
+            while chunk := conn.recv(65536):  # until the server closes the connection
+                answer += chunk
+            answers[name] = answer
+    finally:
+        for conn in conns.values():
+            conn.close()
+    assert answers["nothing"] == b"" and answers["half the headers"] == b"", answers
+    body = answers["part of the body"]
+    assert body.startswith(b"HTTP/1.1 408") and b"--request-read-timeout" in body and b"request_timeout" in body, body
 
 
 # ---- the context -------------------------------------------------------------------------------------

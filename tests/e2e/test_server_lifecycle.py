@@ -1,5 +1,9 @@
 """Overload and shutdown of a live `kestrel serve`: 503 with Retry-After past --max-queued-requests;
-SIGTERM stops admitting, lets short streams finish, aborts the rest cleanly, exits 0."""
+SIGTERM stops admitting, lets short streams finish, aborts the rest cleanly, exits 0 within
+--shutdown-timeout + SHUTDOWN_MARGIN_S (within IDLE_EXIT_S when idle).
+
+Nothing here waits a fixed time for the server to get somewhere: the tests wait for its log lines,
+its answers and its exit, so that a slow, loaded machine only makes them slower."""
 from __future__ import annotations
 
 import json
@@ -10,9 +14,13 @@ import time
 import httpx
 import pytest
 
+from kestrel.server.shutdown import SHUTDOWN_MARGIN_S
 from tests.e2e.server_process import ServerProcess, children, pid_exists, wait_idle
 
 LONG = 8000  # tokens: many seconds of decoding for the tiny model, so a stream is still running when asked
+# Half the 3 s the README promises for an idle server: measured 0.2-0.3 s on 2 busy cores, and 2-6 s
+# while every process still unloaded its modules at exit.
+IDLE_EXIT_S = 1.5
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +59,21 @@ def long_stream(url: str, i: int) -> Stream:
     return Stream(url, {"prompt": f"story {i}", "max_tokens": LONG, "temperature": 0, "ignore_eos": True})
 
 
+def wait_for_log(srv: ServerProcess, text: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in srv.log():
+        assert time.monotonic() < deadline, f"{text!r} never logged:\n{srv.log()}"
+        time.sleep(0.05)
+
+
+def wait_for_requests(http: httpx.Client, count: int, timeout: float = 60.0) -> None:
+    """Until the server holds `count` requests (admitted, in the engine or being tokenized)."""
+    deadline = time.monotonic() + timeout
+    while http.get("/server_info").json()["admission"]["requests"] < count:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def test_past_max_queued_requests_a_request_gets_503_with_retry_after(model):
     srv = ServerProcess(model, "--max-running-requests", "2", "--max-queued-requests", "1")
     streams = [long_stream(srv.url, i) for i in range(3)]  # 2 running + 1 queued: full
@@ -77,18 +100,24 @@ def test_past_max_queued_requests_a_request_gets_503_with_retry_after(model):
             assert http.get("/server_info").json()["admission"]["engine_requests"] == 0
             r = http.post("/v1/completions", json={"prompt": "room again", "max_tokens": 2, "n": 3})
             assert r.status_code == 200 and len(r.json()["choices"]) == 3
+            wait_idle(http)
+        start = time.monotonic()  # idle now: SIGTERM ends it at once
+        assert srv.stop() == 0, srv.log()
+        assert time.monotonic() - start < IDLE_EXIT_S, srv.log()
     finally:
         for s in streams:
             s.stop.set()
-        assert srv.stop() == 0, srv.log()
+        srv.stop()
 
 
-def test_sigterm_drains_then_aborts_every_stream_cleanly(model):
-    srv = ServerProcess(model, "--shutdown-timeout", "4")
+def test_sigterm_drains_then_aborts_every_stream_cleanly_and_exits_within_its_bound(model):
+    shutdown_timeout = 5
+    srv = ServerProcess(model, "--shutdown-timeout", str(shutdown_timeout))
     with httpx.Client(base_url=srv.url, timeout=30) as http:
         engine_pid = http.get("/server_info").json()["engine_pid"]
     long = [long_stream(srv.url, i) for i in range(3)]
-    short = Stream(srv.url, {"prompt": "short", "max_tokens": 30, "ignore_eos": True})  # ~1 s
+    # Finishes well within the timeout: 8 steps, under 0.1 s each even on 2 loaded cores.
+    short = Stream(srv.url, {"prompt": "short", "max_tokens": 8, "ignore_eos": True})
     whole: dict = {}
 
     def non_streaming() -> None:
@@ -102,12 +131,13 @@ def test_sigterm_drains_then_aborts_every_stream_cleanly(model):
             s.start()
             assert s.first.wait(60)
         waiter.start()
-        time.sleep(0.3)
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            wait_for_requests(http, len(long) + 1)
         short.start()  # last, so that it is still running at the signal
         assert short.first.wait(60)
         start = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        wait_for_log(srv, "shutting down: waiting up to")
         with httpx.Client(base_url=srv.url, timeout=30) as http:  # still listening, no longer admitting
             r = http.post("/v1/completions", json={"prompt": "too late", "max_tokens": 2})
             assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
@@ -117,7 +147,9 @@ def test_sigterm_drains_then_aborts_every_stream_cleanly(model):
         waiter.join(60)
         assert srv.proc.wait(60) == 0
         elapsed = time.monotonic() - start
-        assert 4 <= elapsed < 20, elapsed  # waited --shutdown-timeout, not the old fixed 30 s
+        # Waited --shutdown-timeout for the long streams (they need far longer), then ended within the
+        # promised margin (measured: about 1 s past the timeout on 2 loaded cores).
+        assert shutdown_timeout <= elapsed < shutdown_timeout + SHUTDOWN_MARGIN_S, (elapsed, srv.log())
     finally:
         if srv.proc.poll() is None:  # a failed check above: leave no server behind
             srv.proc.kill()
