@@ -4,7 +4,8 @@
 "auto" (the default with tools) gives them to the template and parses the calls the model writes;
 "required" and a named function also constrain the output with a grammar of the parser's call
 format, built from the tools' parameter schemas, so the call always parses (with
-`parallel_tool_calls: false`, exactly one call).
+`parallel_tool_calls: false`, exactly one call). A named function's answer finishes with "stop", as
+OpenAI's does; the others with "tool_calls" once they made calls.
 """
 from __future__ import annotations
 
