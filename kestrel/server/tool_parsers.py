@@ -354,10 +354,6 @@ class ToolCallStream:
         self._called: list[tuple[str, Any]] = []  # (name, parsed arguments) of each call sent
         self.ended = False
 
-    @property
-    def num_calls(self) -> int:
-        return len(self.calls)
-
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
         """(new content, new tool_calls delta entries) after `delta`; `final` on the answer's last text.
         Once `ended`, the rest of the answer is ignored."""

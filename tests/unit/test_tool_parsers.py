@@ -80,7 +80,7 @@ def test_streams_add_up_to_the_whole_answer(parser_name, text, content, calls, c
     assert "".join(c for c, _ in deltas) == (content or "")
     got = accumulate([e for _, entries in deltas for e in entries])
     assert [(c["name"], c["arguments"]) for c in got] == calls
-    assert stream.num_calls == len(calls)
+    assert len(stream.calls) == len(calls)
 
 
 def test_a_stream_sends_a_call_whole_once_its_object_closes():
