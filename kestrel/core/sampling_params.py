@@ -7,6 +7,16 @@ from typing import Any
 
 # The constraints a request's output may follow (SGLang's sampling parameter names); at most one.
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+PENALTY_FIELDS = ("repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+class UnsupportedParamError(ValueError):
+    """A valid value of the SamplingParams field `param` that this engine cannot serve (e.g. a penalty
+    with speculative decoding); the server reports it against the request field that set `param`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -52,7 +62,13 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+        return bool(self.penalties)
+
+    @property
+    def penalties(self) -> list[str]:
+        """The penalty fields set away from their neutral value, in declaration order."""
+        neutral = {"repetition_penalty": 1, "frequency_penalty": 0, "presence_penalty": 0}
+        return [name for name in PENALTY_FIELDS if getattr(self, name) != neutral[name]]
 
     @property
     def grammar(self) -> tuple[str, str] | None:

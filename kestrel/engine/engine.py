@@ -18,7 +18,7 @@ from kestrel.core.batch import ScheduledBatch
 from kestrel.core.forward_mode import ForwardMode
 from kestrel.core.outputs import EngineStats, RequestOutput, StepInfo
 from kestrel.core.request import Request
-from kestrel.core.sampling_params import SamplingParams
+from kestrel.core.sampling_params import SamplingParams, UnsupportedParamError
 from kestrel.engine import prompt_logprobs
 from kestrel.engine.detokenizer import OutputText
 from kestrel.engine.grammar import GrammarBackend, GrammarState
@@ -133,24 +133,13 @@ class Engine:
         """Validate and queue one request; returns its id. Raises ValueError on bad input."""
         params = sampling_params or SamplingParams()
         params.validate(self.vocab_size)
-        if self.spec_worker is not None and (params.has_penalties or params.min_new_tokens):
-            # Both change the target's distribution per node by the tokens before it, which differ along
-            # the draft tree; not applied there yet.
-            raise ValueError("with speculative decoding, repetition/frequency/presence penalties and min_new_tokens "
-                             "are not supported; unset them or serve without speculative_algorithm")
-        if self.spec_worker is not None and params.grammar is not None:
-            # A grammar's mask depends on the tokens before each node too (one matcher per tree path).
-            raise ValueError(f"with speculative decoding, grammars (json_schema, regex, ebnf, structural_tag) are not "
-                             f"supported yet; drop {params.grammar[0]} or serve without speculative_algorithm")
-        if self.spec_worker is not None and params.prompt_logprobs is not None:
-            # A draft's DRAFT_EXTEND after each prefill chunk reads the token after it, which a prompt that
-            # is only scored never samples; scoring gains nothing from speculation anyway.
-            raise ValueError("with speculative decoding, prompt_logprobs are not supported; serve scoring "
-                             "requests without speculative_algorithm")
+        if self.spec_worker is not None:
+            self._check_speculative(params)
         if self.ranks is not None and params.grammar is not None:
             # Its mask is filled on rank 0 after the previous step resolves; the other ranks would need it sent.
-            raise ValueError(f"with tensor parallelism (tp_size > 1), grammars (json_schema, regex, ebnf, "
-                             f"structural_tag) are not supported yet; drop {params.grammar[0]} or serve with tp_size 1")
+            raise UnsupportedParamError(params.grammar[0], f"with tensor parallelism (tp_size > 1), grammars "
+                                        f"(json_schema, regex, ebnf, structural_tag) are not supported yet; drop "
+                                        f"{params.grammar[0]} or serve with tp_size 1")
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt (text) or prompt_token_ids")
         if prompt is not None:
@@ -191,6 +180,27 @@ class Engine:
         else:
             self.scheduler.add(req)
         return rid
+
+    @staticmethod
+    def _check_speculative(params: SamplingParams) -> None:
+        """UnsupportedParamError naming the first field speculative decoding cannot serve, if any."""
+        if params.penalties or params.min_new_tokens:
+            # Both change the target's distribution per node by the tokens before it, which differ along
+            # the draft tree; not applied there yet.
+            field = (params.penalties or ["min_new_tokens"])[0]
+            raise UnsupportedParamError(field, "with speculative decoding, repetition/frequency/presence penalties "
+                                        f"and min_new_tokens are not supported; unset {field} or serve without "
+                                        "speculative_algorithm")
+        if params.grammar is not None:
+            # A grammar's mask depends on the tokens before each node too (one matcher per tree path).
+            raise UnsupportedParamError(params.grammar[0], f"with speculative decoding, grammars (json_schema, regex, "
+                                        f"ebnf, structural_tag) are not supported yet; drop {params.grammar[0]} or "
+                                        "serve without speculative_algorithm")
+        if params.prompt_logprobs is not None:
+            # A draft's DRAFT_EXTEND after each prefill chunk reads the token after it, which a prompt that
+            # is only scored never samples; scoring gains nothing from speculation anyway.
+            raise UnsupportedParamError("prompt_logprobs", "with speculative decoding, prompt_logprobs are not "
+                                        "supported; serve scoring requests without speculative_algorithm")
 
     def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
         """The request's grammar matcher (compiled once per grammar); None without one. Raises ValueError."""

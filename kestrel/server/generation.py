@@ -12,10 +12,10 @@ A choice the engine finished with finish_reason "error" (a step failed) fails th
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from kestrel.core.sampling_params import SamplingParams
+from kestrel.core.sampling_params import GRAMMAR_KINDS, SamplingParams
 from kestrel.engine.detokenizer import OutputText
 from kestrel.server.admission import Ticket, shutting_down
 from kestrel.server.engine_client import EngineClient, RequestGroup
@@ -57,15 +57,23 @@ class Choice:
 
 class Generation:
     def __init__(self, client: EngineClient, tokenizer, prompts: list[list[int]], params: list[SamplingParams],
-                 ticket: Ticket, prompt_param: str = "prompt", grammar_param: str | None = None) -> None:
+                 ticket: Ticket, prompt_param: str = "prompt", grammar_param: str | None = None,
+                 api_names: dict[str, str] | None = None,
+                 on_update: Callable[[ChoiceUpdate], None] | None = None) -> None:
         """One choice per (prompt ids, params) pair, in that order. Engine rejections of the prompt
         (too long, empty, ids out of range) are reported against the field `prompt_param`, those of
-        the grammar against `grammar_param` (default: the SamplingParams field, e.g. json_schema)."""
+        the grammar against `grammar_param` (default: the SamplingParams field, e.g. json_schema), those
+        of another SamplingParams field (a penalty under speculative decoding) against its name in
+        `api_names` (SamplingParams field -> request field; default: the same name). `on_update` sees
+        every update before it is yielded, streamed or not (it may `stop` a choice)."""
         self.client = client
         self.ticket = ticket
         self.tokenizer = tokenizer
         self.prompt_param = prompt_param
         self.grammar_param = grammar_param
+        self.api_names = api_names or {}
+        self.on_update = on_update
+        self._stopped: set[int] = set()
         self.arrival = time.monotonic()
         self.created = int(time.time())
         self.choices = [Choice(i, client.new_rid(), ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
@@ -83,8 +91,16 @@ class Generation:
             self._group = await self.client.submit(reqs, self.arrival)
         except APIError as e:
             if e.status == 400:
-                e.param = self.prompt_param if e.param is None else (self.grammar_param or e.param)
+                e.param = self._request_field(e.param)
             raise
+
+    def _request_field(self, param: str | None) -> str:
+        """The request field behind an engine rejection of SamplingParams field `param` (None: the prompt)."""
+        if param is None:
+            return self.prompt_param
+        if param in GRAMMAR_KINDS:
+            return self.grammar_param or param
+        return self.api_names.get(param, param)
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         """Text and tokens as they come, until every choice finished; raises APIError if the engine dies."""
@@ -113,14 +129,24 @@ class Generation:
             if delta.logprobs is not None:
                 choice.logprobs += delta.logprobs
                 choice.top_logprobs += delta.top_logprobs or []
-            yield ChoiceUpdate(index, new_text, delta.token_ids, delta.logprobs, delta.top_logprobs,
-                               choice.finish_reason)
+            update = ChoiceUpdate(index, new_text, delta.token_ids, delta.logprobs, delta.top_logprobs,
+                                  choice.finish_reason)
+            if self.on_update is not None:
+                self.on_update(update)
+            yield update
 
     async def run(self) -> list[Choice]:
         """Run to the end (non-streaming)."""
         async for _ in self.updates():
             pass
         return self.choices
+
+    def stop(self, index: int) -> None:
+        """End choice `index` early, at the caller's wish: the engine aborts it, its finish_reason
+        becomes "abort" and the tokens already on their way still come."""
+        if not self.choices[index].finished and index not in self._stopped:
+            self._stopped.add(index)
+            self.client.abort([self.choices[index].rid])
 
     def _abort_unfinished(self) -> None:
         self.client.abort([c.rid for c in self.choices if not c.finished])

@@ -85,7 +85,7 @@ async def generate(state: ServerState, request: Request) -> Response:
         # Without max_new_tokens: SamplingParams' default (128, as SGLang's), cut to fit the context.
         params_list = state.params_for(base, prompts, asked, base.max_new_tokens, param, "max_new_tokens", {})
         gen = Generation(state.client, state.tokenizer, *expand_choices(prompts, params_list, n), ticket,
-                         prompt_param=param)
+                         prompt_param=param, api_names={"prompt_logprobs": "logprob_start_len"})
     many = batch or n > 1
 
     async def outputs() -> AsyncIterator[dict[str, Any]]:

@@ -16,7 +16,7 @@ from kestrel.server.protocol import ChatCompletionRequest, CompletionRequest, ex
 from kestrel.server.errors import bad_request
 from kestrel.server.sse import sse_stream
 from kestrel.server.state import ServerState, parse_body, respond
-from kestrel.server.tool_parsers import ToolCallStream, parse_tool_calls
+from kestrel.server.tool_parsers import ToolCallStream
 from kestrel.server.tools import new_call_id, tool_use
 
 _API_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "prompt_logprobs": "logprobs"}
@@ -84,7 +84,7 @@ async def completions(state: ServerState, request: Request) -> Response:
                                   "max_tokens", _API_NAMES)
         echoes = [(p if isinstance(p, str) else state.decode(p)) if body.echo else "" for p in texts]
         gen = Generation(state.client, state.tokenizer, *expand_choices(prompts, params, body.n), ticket,
-                         grammar_param=body.grammar_param())
+                         grammar_param=body.grammar_param(), api_names=_API_NAMES)
     echo_of = [echoes[i // body.n] for i in range(len(gen.choices))]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": gen.created,
             "model": state.served_model_name}
@@ -164,30 +164,46 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     base = validated(body.sampling_params(info.max_req_len - 1 if asked is None else asked,
                                           body.engine_top_logprobs(), grammar), info.vocab_size, names)
     ticket = state.admit(body.n, "n")
+    # With tools, each choice's text is read by its ToolCallStream as it comes, streamed or not (one
+    # reading, so both answers agree); a repeated call ends the choice.
+    readers = [ToolCallStream(tools.parser, new_call_id) for _ in range(body.n)] if tools is not None else None
+    read: dict[int, tuple[str, list[dict]]] = {}  # choice -> (content, tool_calls entries) of its last update
+
+    def read_tools(u: ChoiceUpdate) -> None:
+        reader = readers[u.index]
+        read[u.index] = reader.feed(u.text, final=u.finish_reason is not None)
+        if reader.ended:
+            gen.stop(u.index)
+
     with ticket.released_on_error():
         prompt = await state.chat_prompt_ids(ticket, body.messages, body_bytes,
                                              tools.template_tools if tools is not None else None)
         params = state.params_for(base, [prompt], asked, None, "messages", name, names)
         gen = Generation(state.client, state.tokenizer, *expand_choices([prompt], params, body.n), ticket,
-                         prompt_param="messages", grammar_param=grammar_param)
+                         prompt_param="messages", grammar_param=grammar_param, api_names=names,
+                         on_update=read_tools if readers is not None else None)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": gen.created,
             "model": state.served_model_name}
 
     def logprobs_of(ids: list[int], lps: list[float] | None, tops: list | None) -> dict | None:
         return None if lps is None else _chat_logprobs(state, ids, lps, tops or [])
 
-    # With tools, each choice's text goes through its parser: content, and tool calls as deltas.
-    streams = [ToolCallStream(tools.parser, new_call_id) for _ in gen.choices] if tools is not None else None
+    def tools_finish(index: int, finish: str | None) -> str | None:
+        """A choice that ended on its calls finishes with "tool_calls"; a named tool_choice with "stop",
+        as OpenAI answers it (the caller asked for that call; the model chose nothing)."""
+        reader = readers[index]
+        if finish is not None and (reader.ended or finish == "stop" and reader.calls):
+            return "stop" if tools.named else "tool_calls"
+        return finish
 
     def chunk_choice(u: ChoiceUpdate) -> dict | None:
         finish = u.finish_reason
-        if streams is None:
+        if readers is None:
             delta = {"content": u.text} if u.text else {}
         else:
-            content, calls = streams[u.index].feed(u.text, final=finish is not None)
+            content, calls = read.pop(u.index)
             delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
-            if finish == "stop" and streams[u.index].num_calls:
-                finish = "tool_calls"
+            finish = tools_finish(u.index, finish)
         if not delta and finish is None and u.logprobs is None:
             return None
         return {"index": u.index, "delta": delta, "logprobs": logprobs_of(u.token_ids, u.logprobs, u.top_logprobs),
@@ -202,12 +218,12 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         lps = c.logprobs if c.params.logprobs is not None else None
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
         finish = c.finish_reason
-        if tools is not None:
-            content, calls = parse_tool_calls(tools.parser, c.text, new_call_id)
-            message["content"] = content if content is not None or calls else ""
-            if calls:
-                message["tool_calls"] = [call.openai() for call in calls]
-                finish = "tool_calls" if finish == "stop" else finish
+        if readers is not None:
+            reader = readers[c.index]
+            message["content"] = reader.content or (None if reader.calls else "")
+            if reader.calls:
+                message["tool_calls"] = [call.openai() for call in reader.calls]
+            finish = tools_finish(c.index, finish)
         return {"index": c.index, "message": message, "logprobs": logprobs_of(c.token_ids, lps, c.top_logprobs),
                 "finish_reason": finish, "matched_stop": c.matched_stop}
 

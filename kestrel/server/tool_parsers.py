@@ -11,13 +11,16 @@ function, so that a forced call always parses.
 - `hermes` / `qwen25` (Hermes 2/3, Qwen 2.5, Qwen 3 and the bundled demo model's template): each call is
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; text outside the tags is content.
 
-Arguments are returned as the model wrote them (the raw JSON text), so the streamed argument
-deltas add up to exactly the non-streamed `arguments` string.
+Arguments are returned as the model wrote them (the raw JSON text). `ToolCallStream` is the one
+reading of an answer, fed as its text grows; the server feeds it the same text deltas whether the
+answer is streamed or not, so both give the same content, calls and end (see its docstring for the
+rules on calls cut short and repeated).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 # Every tool's arguments are constrained like response_format's JSON: any whitespace, short runs.
 _ARGUMENTS_MAX_WHITESPACE = 16
@@ -27,11 +30,13 @@ _WS = " \t\n\r"
 @dataclass
 class CallText:
     """One call as far as the text goes: its name once the name string is whole, the raw JSON text of
-    its arguments so far, and whether the call is whole."""
+    its arguments so far, whether the call is whole (its object closed, its arguments valid JSON), and
+    where its markup starts in the text."""
 
     name: str | None = None
     arguments: str = ""
     complete: bool = False
+    start: int = 0
 
 
 @dataclass
@@ -137,7 +142,8 @@ def scan_object(s: str, i: int) -> tuple[dict[str, tuple[str, bool]], int | None
 
 def _call(s: str, i: int, argument_keys: tuple[str, ...]) -> tuple[CallText | None, int | None]:
     """The call object starting at s[i] == '{' and the index after it (None while open); no call if
-    the text is malformed (and can no longer become a call)."""
+    the text is malformed (and can no longer become a call), a closed object included whose name is
+    missing or whose arguments are not JSON."""
     fields, end, bad = scan_object(s, i)
     if bad:
         return None, None
@@ -158,7 +164,17 @@ def _call(s: str, i: int, argument_keys: tuple[str, ...]) -> tuple[CallText | No
             break
     else:
         call.arguments = "{}" if end is not None else ""  # no arguments given: an empty argument object
+    if end is not None and not _is_json(call.arguments):
+        return None, None
     return call, end
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _held_back(text: str, marker: str) -> str:
@@ -176,6 +192,8 @@ class ToolParser:
     separator = ""
 
     def split(self, text: str, final: bool) -> Split:
+        """Content and calls of `text`; `final` when the answer ends there: a call still open is then
+        no call, its text is content."""
         raise NotImplementedError
 
     def call_tag(self, name: str, parameters: dict) -> dict:
@@ -221,9 +239,12 @@ class HermesParser(ToolParser):
                 call, _ = _call(body, j, self.argument_keys)
             elif j == len(body) and end < 0:
                 call = CallText()  # just opened
+            if call is not None and not call.complete and (final or end >= 0):
+                call = None  # the answer or its tag ended before the call did
             if call is None:  # not a call after all: its text is content
                 content.append(text[start:] if end < 0 else text[start:end + len(self.end)])
             else:
+                call.start = start
                 calls.append(call)
             if end < 0:
                 return Split("".join(content), calls)
@@ -258,11 +279,15 @@ class Llama3Parser(ToolParser):
             if text[start] != "{":
                 return Split(text if final else _held_back(text, self.python_tag))
             content, body = "", text[start:]
+        offset = len(text) - len(body)  # of the body in the text
         calls, i = [], _skip_ws(body, 0)
         while i < len(body):
             call, end = _call(body, i, self.argument_keys) if body[i] == "{" else (None, None)
-            if call is None:  # text after the calls, or a malformed call: content
+            if call is not None and end is None and final:
+                call = None  # the answer ended before the call did
+            if call is None:  # text after the calls, or a malformed or cut call: content
                 return Split(content + body[i:], calls)
+            call.start = offset + i
             calls.append(call)
             if end is None:
                 break
@@ -297,59 +322,61 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
-
-
 def parse_tool_calls(parser: ToolParser, text: str, new_id) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a whole answer; content None when empty. An answer with a malformed or
-    unfinished call is all content, with no calls. `new_id()` names each call."""
-    split = parser.split(text, final=True)
-    if any(not c.complete or c.name is None or not _is_json(c.arguments) for c in split.calls):
-        return text.strip() or None, []
-    return split.content.strip() or None, [ToolCall(new_id(), c.name, c.arguments) for c in split.calls]
+    """(content, calls) of a whole answer as `ToolCallStream` reads it; content None when empty.
+    `new_id()` names each call."""
+    stream = ToolCallStream(parser, new_id)
+    stream.feed(text, final=True)
+    return stream.content or None, stream.calls
 
 
 class ToolCallStream:
-    """Turns an answer's text deltas into OpenAI chat deltas: content, and `tool_calls` entries (id,
-    name and empty arguments when a call's name is known, then its arguments as they grow).
+    """An answer's text deltas as OpenAI chat deltas: content, and `tool_calls` entries.
 
-    Content is the whole answer's content stripped (as `parse_tool_calls` returns it): leading
-    whitespace is dropped, trailing whitespace waits until text follows it."""
+    - A call is sent whole, in one entry (index, id, name, arguments), once its JSON object is
+      closed and its arguments parse: a streamed call never carries arguments that are not JSON.
+    - A call still open when the answer ends (cut by max_tokens) is no call: its text is content.
+      Complete calls before it stay calls.
+    - A call that repeats an earlier call of the answer (same function, equal arguments) ends the
+      calls: it and all text after it are dropped and `ended` is set, for the caller to stop the
+      generation. A model that loops on its last call (a weak one under a forced-call grammar that
+      allows more calls) would otherwise write calls until max_tokens; a repeated call in one turn
+      would only run the same function twice.
+
+    Content is stripped: leading whitespace is dropped, trailing whitespace waits until text follows it."""
 
     def __init__(self, parser: ToolParser, new_id) -> None:
         self.parser = parser
         self.new_id = new_id
         self.text = ""
-        self.content_sent = 0
-        self.calls_sent: list[int] = []  # per call: length of the arguments text sent
-        self.ids: list[str] = []
-
-    @property
-    def num_calls(self) -> int:
-        return len(self.calls_sent)
+        self.content = ""  # the content sent so far
+        self.calls: list[ToolCall] = []  # the calls sent so far
+        self._called: list[tuple[str, Any]] = []  # (name, parsed arguments) of each call sent
+        self.ended = False
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
-        """(new content, new tool_calls delta entries) after `delta`; `final` on the answer's last text."""
+        """(new content, new tool_calls delta entries) after `delta`; `final` on the answer's last text.
+        Once `ended`, the rest of the answer is ignored."""
+        if self.ended:
+            return "", []
         self.text += delta
         split = self.parser.split(self.text, final)
-        content = split.content.strip()
-        new_content, self.content_sent = content[self.content_sent:], max(self.content_sent, len(content))
-        entries = []
-        for index, call in enumerate(split.calls):
-            if call.name is None:
+        whole = []
+        for call in split.calls[len(self.calls):]:
+            if not call.complete:
                 break
-            if index == len(self.calls_sent):
-                self.ids.append(self.new_id())
-                self.calls_sent.append(0)
-                entries.append({"index": index, "id": self.ids[index], "type": "function",
-                                "function": {"name": call.name, "arguments": ""}})
-            new_args = call.arguments[self.calls_sent[index]:]
-            if new_args:
-                entries.append({"index": index, "function": {"arguments": new_args}})
-                self.calls_sent[index] = len(call.arguments)
+            called = (call.name, json.loads(call.arguments))
+            if called in self._called:
+                self.ended = True
+                self.text = self.text[:call.start]
+                split = self.parser.split(self.text, final=True)
+                break
+            self._called.append(called)
+            whole.append(ToolCall(self.new_id(), call.name, call.arguments))
+        entries = [{"index": len(self.calls) + i, **call.openai()} for i, call in enumerate(whole)]
+        self.calls += whole
+        content = split.content.strip()
+        new_content = content[len(self.content):]
+        if len(content) > len(self.content):
+            self.content = content
         return new_content, entries

@@ -4,7 +4,8 @@
 "auto" (the default with tools) gives them to the template and parses the calls the model writes;
 "required" and a named function also constrain the output with a grammar of the parser's call
 format, built from the tools' parameter schemas, so the call always parses (with
-`parallel_tool_calls: false`, exactly one call).
+`parallel_tool_calls: false`, exactly one call). A named function's answer finishes with "stop", as
+OpenAI's does; the others with "tool_calls" once they made calls.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class ToolUse:
     parser: ToolParser
     template_tools: list[dict[str, Any]]  # the tools in OpenAI's shape, for the chat template
     structural_tag: str | None  # the grammar forcing the call(s); None for "auto"
+    named: bool = False  # tool_choice names the function: the answer finishes with "stop", not "tool_calls"
 
 
 def new_call_id() -> str:
@@ -62,4 +64,4 @@ def tool_use(body: ChatCompletionRequest, parser: ToolParser | None) -> ToolUse 
     if choice != "auto":
         functions = [{"name": t.function.name, "parameters": t.function.parameters or NO_PARAMETERS} for t in tools]
         tag = json.dumps(parser.grammar(functions, forced, body.parallel_tool_calls), ensure_ascii=False)
-    return ToolUse(parser, [t.model_dump(exclude_none=True) for t in tools], tag)
+    return ToolUse(parser, [t.model_dump(exclude_none=True) for t in tools], tag, named=forced is not None)

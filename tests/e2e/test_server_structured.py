@@ -145,7 +145,9 @@ def test_forced_tool_calls_parse_streamed_or_not(client, tool_choice):
                 parallel_tool_calls=False, max_tokens=300, temperature=1.0)
     out = client.chat.completions.create(seed=0, **args)
     message = out.choices[0].message
-    assert out.choices[0].finish_reason == "tool_calls" and message.content is None
+    # A named function finishes with "stop", as OpenAI answers it: the caller chose the call.
+    expected_finish = "stop" if isinstance(tool_choice, dict) else "tool_calls"
+    assert out.choices[0].finish_reason == expected_finish and message.content is None
     assert len(message.tool_calls) == 1
     call = message.tool_calls[0]
     assert call.id.startswith("call_") and call.type == "function"
@@ -154,8 +156,71 @@ def test_forced_tool_calls_parse_streamed_or_not(client, tool_choice):
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
     content, calls, finish = accumulate(client.chat.completions.create(seed=0, stream=True, **args))
-    assert (content, finish) == ("", "tool_calls")
+    assert (content, finish) == ("", expected_finish)
     assert [(c["name"], c["arguments"]) for c in calls] == [(call.function.name, call.function.arguments)]
+
+
+def both_ways(client, **args) -> tuple[tuple[str | None, list[tuple[str, str]], str], int]:
+    """((content, calls, finish_reason), completion tokens) of a chat answer; the streamed answer must read
+    the same (an empty streamed content is the whole answer's null)."""
+    out = client.chat.completions.create(**args)
+    choice = out.choices[0]
+    whole = (choice.message.content, [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []],
+             choice.finish_reason)
+    content, calls, finish = accumulate(client.chat.completions.create(stream=True, **args))
+    assert (content or None, [(c["name"], c["arguments"]) for c in calls], finish) == whole, args["max_tokens"]
+    return whole, out.usage.completion_tokens
+
+
+def test_required_calls_end_with_the_models_calls_and_cut_calls_read_the_same_streamed_or_not(client):
+    """OpenAI's default parallel_tool_calls: the grammar allows another call after each one; the greedy
+    random model repeats its call, which ends the calls before max_tokens, all parsed. Then a max_tokens
+    sweep over that answer: the complete calls are tool_calls (the uncut answer's, in order), a cut
+    trailing call is content, and the streamed answer reads exactly as the whole one."""
+    args = dict(model=NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", temperature=0)
+    (content, full_calls, finish), used = both_ways(client, max_tokens=300, **args)
+    assert finish == "tool_calls" and content is None and full_calls and used < 300
+    for name, arguments in full_calls:
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+    assert len(set(full_calls)) == len(full_calls)
+    for max_tokens in sorted({*range(3, used, max(1, used // 5)), used - 1}):
+        (content, calls, finish), _ = both_ways(client, max_tokens=max_tokens, **args)
+        assert calls == full_calls[:len(calls)], max_tokens
+        assert finish == "length" or (finish == "tool_calls" and calls == full_calls), max_tokens
+        if content is not None:  # only a cut call's markup
+            assert finish == "length" and content.startswith("<tool_call>"[:len(content)]), (max_tokens, content)
+
+
+def test_refusals_under_speculative_decoding_name_the_field_the_client_sent(model):
+    """Grammars, penalties, min_tokens and prompt logprobs are refused with speculative decoding: the 400
+    names the request's own field, on every route, whatever SamplingParams field it set."""
+    tool = {"tools": TOOLS, "tool_choice": "required"}
+    cases = [({"response_format": {"type": "json_object"}}, "response_format"), ({"regex": "a+"}, "regex"),
+             ({"json_schema": SCHEMA}, "json_schema"), ({"ebnf": 'root ::= "a"'}, "ebnf"), (tool, "tools"),
+             ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"presence_penalty": 0.5}, "presence_penalty"),
+             ({"repetition_penalty": 1.1}, "repetition_penalty"), ({"min_tokens": 2}, "min_tokens")]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        srv = ServerProcess(model, "--tool-call-parser", "hermes", "--tokenizer-pool-size", "1",
+                            "--speculative-algorithm", "NGRAM")
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            requests = [("/v1/chat/completions", {"messages": MESSAGES, **fields}, param) for fields, param in cases]
+            requests += [("/v1/completions", {"prompt": "x", "min_tokens": 2}, "min_tokens"),
+                         ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "logprobs"),
+                         ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}},
+                          "response_format"),
+                         ("/generate", {"text": "x", "sampling_params": {"min_new_tokens": 2}}, "min_new_tokens"),
+                         ("/generate", {"text": "x", "return_logprob": True, "logprob_start_len": 0},
+                          "logprob_start_len")]
+            for path, body, param in requests:
+                answer = http.post(path, json={"max_tokens": 4, **body} if path != "/generate" else body)
+                assert answer.status_code == 400, (path, body, answer.text)
+                error = answer.json()["error"]
+                assert error["param"] == param and "speculative decoding" in error["message"], (path, body, error)
+            assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 5}).status_code == 200
+    finally:
+        srv.stop()
 
 
 def test_the_template_gets_the_tools_and_a_tool_conversation_renders(client):

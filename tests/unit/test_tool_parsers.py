@@ -80,17 +80,80 @@ def test_streams_add_up_to_the_whole_answer(parser_name, text, content, calls, c
     assert "".join(c for c, _ in deltas) == (content or "")
     got = accumulate([e for _, entries in deltas for e in entries])
     assert [(c["name"], c["arguments"]) for c in got] == calls
-    assert stream.num_calls == len(calls)
+    assert len(stream.calls) == len(calls)
 
 
-def test_a_stream_names_a_call_before_its_arguments_end():
+def test_a_stream_sends_a_call_whole_once_its_object_closes():
     stream = ToolCallStream(tool_parser("hermes"), ids())
-    content, entries = stream.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
-    assert content == "" and entries[0]["function"] == {"name": "get_weather", "arguments": ""}
-    assert entries[1]["function"]["arguments"] == '{"city": "Pa'
+    assert stream.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa') == ("", [])
+    content, entries = stream.feed('ris"}}')
+    assert content == "" and entries == [{"index": 0, "id": "call_0", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]
     # Text that may start a call (and trailing whitespace) is held back, then let go once it is not one.
-    assert stream.feed("ris\"}}\n</tool_call>\nok <tool")[0] == "ok"
+    assert stream.feed("\n</tool_call>\nok <tool")[0] == "ok"
     assert stream.feed("s", final=True)[0] == " <tools"
+
+
+def streamed(parser_name: str, text: str, chunk: int) -> tuple[str | None, list[tuple[str, str]], bool]:
+    """(content, calls, ended) of `text` fed in pieces of `chunk` characters, the last one final."""
+    stream = ToolCallStream(tool_parser(parser_name), ids())
+    pieces = [text[i:i + chunk] for i in range(0, len(text), chunk)] or [""]
+    deltas = [stream.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    entries = [e for _, es in deltas for e in es]
+    for entry in entries:  # a call goes out whole: never arguments that are not yet JSON
+        json.loads(entry["function"]["arguments"])
+    calls = [(c["name"], c["arguments"]) for c in accumulate(entries)]
+    return "".join(c for c, _ in deltas) or None, calls, stream.ended
+
+
+def call_objects(text: str) -> tuple[list[int], list[int]]:
+    """Where each call object of a whole answer starts and ends (a naive reading: every '{"name"'
+    starts one)."""
+    decoder, starts, ends, i = json.JSONDecoder(), [], [], text.find('{"name"')
+    while i >= 0:
+        starts.append(i)
+        ends.append(decoder.raw_decode(text, i)[1])
+        i = text.find('{"name"', ends[-1])
+    return starts, ends
+
+
+@pytest.mark.parametrize("parser_name, text, content, calls", [p for p in cases() if p.values[3] and p.values[0] != "qwen25"])
+def test_an_answer_cut_anywhere_reads_the_same_streamed_or_whole(parser_name, text, content, calls):
+    """Cut at every character (as max_tokens cuts): the calls whose object is whole are the calls, an
+    open one is content, and streaming (any chunking) gives exactly the whole answer's reading."""
+    starts, ends = call_objects(text)
+    assert len(ends) == len(calls)
+    for cut in range(len(text) + 1):
+        whole_content, whole_calls = parse_tool_calls(tool_parser(parser_name), text[:cut], ids())
+        got = (whole_content, [(c.name, c.arguments) for c in whole_calls])
+        assert got[1] == calls[:sum(end <= cut for end in ends)], cut
+        for chunk in (2, 7):
+            assert streamed(parser_name, text[:cut], chunk) == (*got, False), (cut, chunk)
+        if any(start < cut < end for start, end in zip(starts, ends)):  # inside a call: its text is content
+            assert got[0] is not None and got[0].endswith(text[:cut].rstrip()[-1])
+
+
+REPEAT = ('<tool_call>\n{"name": "f", "arguments": {"a": 1, "b": [2]}}\n</tool_call>\n'
+          '<tool_call>\n{"name": "f", "arguments": {"a": 2}}\n</tool_call>\n'
+          '<tool_call>\n{"name": "f", "arguments": {"b": [2], "a": 1}}\n</tool_call>\nmore text')
+
+
+@pytest.mark.parametrize("chunk", [1, 4, len(REPEAT)])
+def test_a_repeated_call_ends_the_calls(chunk):
+    """The third call repeats the first (equal arguments, other key order): the calls end before it."""
+    content, calls, ended = streamed("hermes", REPEAT, chunk)
+    assert (content, calls, ended) == (None, [("f", '{"a": 1, "b": [2]}'), ("f", '{"a": 2}')], True)
+    whole = parse_tool_calls(tool_parser("hermes"), REPEAT, ids())
+    assert (whole[0], [(c.name, c.arguments) for c in whole[1]]) == (content, calls)
+
+
+def test_a_malformed_call_is_content_and_the_others_stay_calls():
+    text = ('<tool_call>\n{"name": "f", "arguments": {"x": tru}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>')
+    content, calls = parse_tool_calls(tool_parser("hermes"), text, ids())
+    assert content == '<tool_call>\n{"name": "f", "arguments": {"x": tru}}\n</tool_call>'
+    assert [(c.name, c.arguments) for c in calls] == [("g", "{}")]
+    assert streamed("hermes", text, 3) == (content, [("g", "{}")], False)
 
 
 @pytest.mark.parametrize("parser_name", sorted(PARSERS))
