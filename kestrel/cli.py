@@ -170,15 +170,8 @@ def _run(command, *args) -> int:
         return 2
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        if len(argv) < 2 or argv[1] not in BENCHES:
-            print(f"usage: kestrel bench {{{','.join(BENCHES)}}} [flags]", file=sys.stderr)
-            return 2
-        import importlib
-
-        return _run(lambda: importlib.import_module(BENCHES[argv[1]]).main(argv[2:]) or 0)
+def build_parser() -> argparse.ArgumentParser:
+    """`kestrel generate | serve | explain` (`kestrel bench` has a parser per benchmark)."""
     parser = argparse.ArgumentParser(prog="kestrel", description="a compact LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt, offline")
@@ -203,7 +196,19 @@ def main(argv: list[str] | None = None) -> int:
                           "set, and, as vLLM, refuses this flag without one")
     explain = sub.add_parser("explain", help="print the resolved attention plan without loading weights")
     add_engine_flags(explain)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        if len(argv) < 2 or argv[1] not in BENCHES:
+            print(f"usage: kestrel bench {{{','.join(BENCHES)}}} [flags]", file=sys.stderr)
+            return 2
+        import importlib
+
+        return _run(lambda: importlib.import_module(BENCHES[argv[1]]).main(argv[2:]) or 0)
+    args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
     return _run({"generate": _generate, "serve": _serve, "explain": _explain}[args.command], args)
 
