@@ -96,6 +96,10 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     # `is` comparisons: 0 (e.g. --port 0) is a value, only an absent flag (None / unset bool) is not.
     flat = {name: value for name in EngineConfig.flat_fields()
             if (value := getattr(args, name, None)) is not None and value is not False}
+    if (positional := getattr(args, "model_tag", None)) is not None:  # `kestrel serve MODEL`, as `vllm serve MODEL`
+        if flat.get("model", positional) != positional:
+            raise ValueError(f"the model is given twice, as {positional!r} and --model {flat['model']!r}; give one")
+        flat["model"] = positional
     prefix_caching = getattr(args, "enable_prefix_caching", None)
     if prefix_caching is not None:
         if prefix_caching and flat.get("disable_radix_cache"):
@@ -128,10 +132,6 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from kestrel.server.launch import ServerStartError, serve
 
-    if args.model_tag is not None:  # `kestrel serve MODEL`, as `vllm serve MODEL`
-        if args.model is not None and args.model != args.model_tag:
-            raise ValueError(f"the model is given twice, as {args.model_tag!r} and --model {args.model!r}; give one")
-        args.model = args.model_tag
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format of the model's tool calls: "
                          "llama3, qwen25 or hermes)")
