@@ -7,7 +7,7 @@ import logging
 import sys
 import typing
 
-from kestrel.config import SECTIONS, EngineConfig
+from kestrel.config import SECTIONS, VLLM_NAMES, EngineConfig
 
 # Flags whose help is worth more than the field name.
 HELP = {
@@ -17,7 +17,11 @@ HELP = {
     "dtype": "auto, float32, float16 or bfloat16",
     "max_total_tokens": "KV pool size in tokens (default: from GPU memory; 32768 on CPU)",
     "page_size": "tokens per KV page (default: 1, or 128 for DeepSeek-V4, whose compressed KV blocks need it)",
-    "chunked_prefill_size": "prefill tokens per step; -1 disables chunking",
+    "chunked_prefill_size": "prefill tokens per step; -1 disables chunking (vLLM's --max-num-batched-tokens counts "
+                            "a step's decode tokens too; here they come on top)",
+    "context_length": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
+    "mem_fraction_static": "share of GPU memory for the weights and the KV pool (default 0.85)",
+    "max_running_requests": "most requests decoding at once (default: 1024 on GPU, 64 on CPU)",
     "kv_cache_dtype": "auto (the model dtype), fp8_e4m3 or fp8_e5m2: the KV cache in FP8, half the bytes of bf16 "
                       "(DeepSeek-V4: fp8_e4m3 only, spec §6's packed 584 B entries)",
     "quantization": "fp8: linear weights in FP8 (block-scaled e4m3; a float checkpoint is quantized at load). "
@@ -56,6 +60,10 @@ HELP = {
 }
 
 
+# vLLM's flags for our options, accepted as aliases (shown beside ours in --help).
+VLLM_FLAGS = {ours: "--" + theirs.replace("_", "-") for theirs, ours in VLLM_NAMES.items()}
+
+
 def _field_type(field: dataclasses.Field) -> type:
     """The argparse type of a field: `int | None` -> int, `str` -> str."""
     hint = typing.get_type_hints(FIELD_OWNER[field.name])[field.name]
@@ -67,23 +75,38 @@ FIELD_OWNER = {f.name: klass for klass in SECTIONS.values() for f in dataclasses
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, with SGLang's spelling (--max-total-tokens)."""
+    """One flag per EngineConfig field, with SGLang's spelling (--max-total-tokens), and vLLM's where it
+    differs (--max-model-len; `VLLM_FLAGS`, and --[no-]enable-prefix-caching)."""
     parser.add_argument("--device", default="auto", help=HELP["device"])
     for klass in SECTIONS.values():
         for field in dataclasses.fields(klass):
             flag = "--" + field.name.replace("_", "-")
             names = [flag, "--model-path"] if field.name == "model" else [flag]
+            names += [VLLM_FLAGS[field.name]] if field.name in VLLM_FLAGS else []
             kind = _field_type(field)
             if kind is bool:
                 parser.add_argument(*names, dest=field.name, action="store_true", help=HELP.get(field.name))
             else:
                 parser.add_argument(*names, dest=field.name, type=kind, default=None, help=HELP.get(field.name))
+            if field.name == "disable_radix_cache":
+                parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                                    help="vLLM's spelling: --no-enable-prefix-caching is --disable-radix-cache "
+                                         "(prefix caching is on by default)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     # `is` comparisons: 0 (e.g. --port 0) is a value, only an absent flag (None / unset bool) is not.
     flat = {name: value for name in EngineConfig.flat_fields()
             if (value := getattr(args, name, None)) is not None and value is not False}
+    if (positional := getattr(args, "model_tag", None)) is not None:  # `kestrel serve MODEL`, as `vllm serve MODEL`
+        if flat.get("model", positional) != positional:
+            raise ValueError(f"the model is given twice, as {positional!r} and --model {flat['model']!r}; give one")
+        flat["model"] = positional
+    prefix_caching = getattr(args, "enable_prefix_caching", None)
+    if prefix_caching is not None:
+        if prefix_caching and flat.get("disable_radix_cache"):
+            raise ValueError("--enable-prefix-caching and --disable-radix-cache contradict each other; give one")
+        flat["disable_radix_cache"] = not prefix_caching
     return EngineConfig.from_flat(**flat)
 
 
@@ -112,8 +135,11 @@ def _serve(args: argparse.Namespace) -> int:
     from kestrel.server.launch import ServerStartError, serve
     from kestrel.server.process_exit import skip_teardown_on_exit
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format of the model's tool calls: "
+                         "llama3, qwen25 or hermes)")
     try:
-        code = serve(config_from_args(args), served_model_name=args.served_model_name)
+        code = serve(config_from_args(args), served_model_names=args.served_model_name or ())
     except ServerStartError as e:
         print(f"kestrel: error: {e}", file=sys.stderr)
         return 1
@@ -149,15 +175,8 @@ def _run(command, *args) -> int:
         return 2
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        if len(argv) < 2 or argv[1] not in BENCHES:
-            print(f"usage: kestrel bench {{{','.join(BENCHES)}}} [flags]", file=sys.stderr)
-            return 2
-        import importlib
-
-        return _run(lambda: importlib.import_module(BENCHES[argv[1]]).main(argv[2:]) or 0)
+def build_parser() -> argparse.ArgumentParser:
+    """`kestrel generate | serve | explain` (`kestrel bench` has a parser per benchmark)."""
     parser = argparse.ArgumentParser(prog="kestrel", description="a compact LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt, offline")
@@ -172,12 +191,29 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (and SGLang's native /generate)")
+    srv.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as --model gives it")
     add_engine_flags(srv)
-    srv.add_argument("--served-model-name", default=None,
-                     help="the model name clients send and /v1/models lists (default: the model path)")
+    srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                     help="the model names clients may send (a request that names none gets the first); "
+                          "/v1/models lists them (default: the model as given)")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="vLLM's switch for tool_choice 'auto'; kestrel serves it whenever --tool-call-parser is "
+                          "set, and, as vLLM, refuses this flag without one")
     explain = sub.add_parser("explain", help="print the resolved attention plan without loading weights")
     add_engine_flags(explain)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        if len(argv) < 2 or argv[1] not in BENCHES:
+            print(f"usage: kestrel bench {{{','.join(BENCHES)}}} [flags]", file=sys.stderr)
+            return 2
+        import importlib
+
+        return _run(lambda: importlib.import_module(BENCHES[argv[1]]).main(argv[2:]) or 0)
+    args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
     return _run({"generate": _generate, "serve": _serve, "explain": _explain}[args.command], args)
 

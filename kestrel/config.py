@@ -143,7 +143,11 @@ SECTIONS = {
     "speculative": SpeculativeConfig, "cuda_graph": CudaGraphConfig, "parallel": ParallelConfig,
     "server": ServerConfig,
 }
-FLAT_ALIASES = {"model_path": "model"}
+# vLLM's names of the same options (as flags too: --max-model-len), so vLLM users' settings carry over.
+VLLM_NAMES = {"max_model_len": "context_length", "max_num_seqs": "max_running_requests",
+              "max_num_batched_tokens": "chunked_prefill_size", "gpu_memory_utilization": "mem_fraction_static",
+              "tensor_parallel_size": "tp_size"}
+FLAT_ALIASES = {"model_path": "model", **VLLM_NAMES}
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,7 @@ class EngineConfig:
             raise ValueError("model is required: a Hugging Face model folder")
         model_path = resolve_model_path(self.model.model)
         hf = read_hf_config(model_path)
+        check_hf_config(model_path, hf)
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -372,4 +377,30 @@ def read_hf_config(model: str) -> dict[str, Any]:
     path = Path(model) / "config.json"
     if not path.is_file():
         raise ValueError(f"model {model!r} is not a Hugging Face model folder (nor a GGUF file): {path} not found")
-    return json.loads(path.read_text())
+    return read_json_config(path)
+
+
+def read_json_config(path: Path) -> dict[str, Any]:
+    """A config.json as a dict; ValueError naming the file when it is not a JSON object."""
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, not a {type(config).__name__}")
+    return config
+
+
+def check_hf_config(model: str, hf: dict[str, Any]) -> None:
+    """Check a Llama-family config's sizes now, so that an inconsistent one fails at start-up in one line
+    naming the file (not deep in transformers or the model's construction)."""
+    from kestrel.models.arch_config import check_sizes
+    from kestrel.models.gguf import gguf_file
+    from kestrel.models.registry import needs_dsv4_attention
+
+    if needs_dsv4_attention(hf.get("architectures") or []):
+        return  # its config is parsed (and checked) while resolving its KV page size
+    try:
+        check_sizes(hf)
+    except ValueError as e:
+        raise ValueError(f"{gguf_file(model) or Path(model) / 'config.json'}: {e}") from None

@@ -71,6 +71,7 @@ class Request:
     # past it, so every position is computed exactly once.
     prompt_logprob_len: int = 0
     prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_logprob_ranks: list[int] = field(default_factory=list)  # 1 + the tokens more likely than the prompt's
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property

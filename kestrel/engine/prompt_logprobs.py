@@ -53,7 +53,8 @@ class PendingPromptLogprobs:
     def __init__(self, asks: list[PromptLogprobAsk], values: torch.Tensor, ids: torch.Tensor | None) -> None:
         self.asks = asks
         self._ids = ids.to("cpu", non_blocking=True) if ids is not None else None  # [R, n]
-        # [R, 1 + n]: the prompt token's, then the top n; recorded after the ids' copy, so it covers both.
+        # [R, 2 + n]: the prompt token's logprob and rank, then the top n; recorded after the ids' copy, so
+        # it covers both.
         self._values, self._event = copy_to_host(values)
 
     def apply(self) -> None:
@@ -67,7 +68,8 @@ class PendingPromptLogprobs:
             top_n = ask.req.params.prompt_logprobs
             for vals, top_ids in zip(values[row:row + ask.count], ids[row:row + ask.count]):
                 ask.req.prompt_logprobs.append(vals[0])
-                ask.req.prompt_top_logprobs.append(list(zip(top_ids[:top_n], vals[1:1 + top_n])))
+                ask.req.prompt_logprob_ranks.append(int(vals[1]))
+                ask.req.prompt_top_logprobs.append(list(zip(top_ids[:top_n], vals[2:2 + top_n])))
             row += ask.count
 
 
@@ -89,10 +91,12 @@ def launch(logits: torch.Tensor, batch: ScheduledBatch, asks: list[PromptLogprob
     for lo in range(0, len(rows), SLICE_ROWS):
         lp = torch.log_softmax(logits.index_select(0, rows_t[lo:lo + SLICE_ROWS]).float(), dim=-1)
         chosen = lp.gather(1, targets_t[lo:lo + SLICE_ROWS, None])
+        # vLLM's rank: 1 + the tokens more likely than the prompt's (exact in float32 for any vocabulary < 2^24)
+        rank = (lp > chosen).sum(dim=1, keepdim=True, dtype=torch.float32) + 1
         if n:
             top_vals, top_ids = lp.topk(n, dim=-1)  # sorted descending
-            values.append(torch.cat([chosen, top_vals], dim=1))
+            values.append(torch.cat([chosen, rank, top_vals], dim=1))
             ids.append(top_ids)
         else:
-            values.append(chosen)
+            values.append(torch.cat([chosen, rank], dim=1))
     return PendingPromptLogprobs(asks, torch.cat(values), torch.cat(ids) if ids else None)

@@ -49,9 +49,12 @@ def parse_arch_config(config: dict[str, Any]) -> ArchConfig:
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act={act!r} is not supported; Llama-family models need 'silu'")
-    hidden = config["hidden_size"]
-    heads = config["num_attention_heads"]
-    num_layers = config["num_hidden_layers"]
+    check_sizes(config)
+    missing = [key for key in _SIZES if key != "num_key_value_heads" and key not in config]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} missing")
+    hidden, heads, num_layers, intermediate, vocab = (config[key] for key in _SIZES[:5])
+    kv_heads = config.get("num_key_value_heads") or heads
     # Qwen3's config class defaults head_dim to 128 rather than hidden / heads.
     default_head_dim = 128 if arch == "Qwen3ForCausalLM" else hidden // heads
     attention_bias = bool(config.get("attention_bias", False))
@@ -63,13 +66,13 @@ def parse_arch_config(config: dict[str, Any]) -> ArchConfig:
     return ArchConfig(
         architecture=arch,
         hidden_size=hidden,
-        intermediate_size=config["intermediate_size"],
+        intermediate_size=intermediate,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        num_key_value_heads=config.get("num_key_value_heads") or heads,
+        num_key_value_heads=kv_heads,
         head_dim=config.get("head_dim") or default_head_dim,
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        vocab_size=config["vocab_size"],
+        vocab_size=vocab,
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
@@ -80,6 +83,27 @@ def parse_arch_config(config: dict[str, Any]) -> ArchConfig:
         sliding_windows=_sliding_windows(arch, config, num_layers),
         eos_token_ids=eos_ids,
     )
+
+
+_SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
+          "num_key_value_heads")
+
+
+def check_sizes(config: dict[str, Any]) -> None:
+    """The sizes a Llama-family config gives are positive integers that fit together (heads split the
+    hidden size unless head_dim is given, key/value heads split the heads); ValueError naming them.
+    Sizes it leaves out are not checked here (config-only folders for resolving omit them)."""
+    for key in _SIZES:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    hidden, heads, kv_heads = (config.get(k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads"))
+    if heads and kv_heads and heads % kv_heads:
+        raise ValueError(f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})")
+    qwen3 = (config.get("architectures") or [None])[0] == "Qwen3ForCausalLM"  # its head_dim defaults to 128
+    if hidden and heads and hidden % heads and not config.get("head_dim") and not qwen3:
+        raise ValueError(f"hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}), and no "
+                         "head_dim is given")
 
 
 def _parse_rope(config: dict[str, Any]) -> RopeConfig:

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kestrel.config import read_json_config
 from kestrel.distributed.parallel_state import ParallelState
 from kestrel.layers.kernels import Kernels
 from kestrel.layers.linear import Slice
@@ -30,7 +31,7 @@ def read_config(model_path: str | Path) -> dict:
     path = Path(model_path) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found; model_path must be a HF model directory")
-    return json.loads(path.read_text())
+    return read_json_config(path)
 
 
 def read_arch_config(model_path: str | Path):

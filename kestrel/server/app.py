@@ -1,19 +1,20 @@
 """The FastAPI app: routes, the body-size limit, the API-key check, every error as an OpenAI-shaped body.
 
-Open to all: /health, /metrics (probes and scrapers, as vLLM keeps them) and /openapi.json. With
---api-key, everything else needs `Authorization: Bearer KEY`: /v1/*, /generate and /server_info
-(which names the model path and the engine's PID).
+Open to all: /health and /ping (its SageMaker-style twin), /metrics (probes and scrapers, as vLLM keeps
+them), /version and /openapi.json. With --api-key, everything else needs `Authorization: Bearer KEY`:
+/v1/*, /generate and /server_info (which names the model path and the engine's PID).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import secrets
+from importlib.metadata import version
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kestrel.server import native_api, openai_api, openapi
@@ -23,6 +24,7 @@ from kestrel.server.metrics import CONTENT_TYPE
 from kestrel.server.state import ServerState
 
 logger = logging.getLogger(__name__)
+KESTREL_VERSION = version("kestrel")
 
 
 def _protected(path: str) -> bool:
@@ -76,7 +78,7 @@ class InternalErrorMiddleware:
 
 def build_app(state: ServerState, max_request_bytes: int, request_read_timeout: float) -> FastAPI:
     app = FastAPI(title="kestrel", description="OpenAI-compatible and SGLang-native LLM serving",
-                  docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+                  version=KESTREL_VERSION, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     openapi.install(app)
     # The last added runs first: the size limit, then the key, then the last-resort 500.
     app.add_middleware(InternalErrorMiddleware)
@@ -89,15 +91,28 @@ def build_app(state: ServerState, max_request_bytes: int, request_read_timeout: 
         return exc.response()
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> Response:
-        return APIError(exc.status_code, str(exc.detail)).response()
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        message = str(exc.detail)
+        if exc.status_code == 405 and exc.headers and "Allow" in exc.headers:
+            message = f"{request.method} is not allowed on {request.url.path}; use {exc.headers['Allow']}"
+        return APIError(exc.status_code, message, headers=exc.headers).response()  # 405 keeps its Allow header
 
     @app.get("/health")
     async def health() -> Response:
         state.check_alive()  # 503 while draining or while the engine process is dead
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping() -> Response:
+        """SageMaker's health probe (vLLM serves it too): /health's answer."""
+        return await health()
+
+    @app.get("/version")
+    async def kestrel_version() -> Response:
+        return JSONResponse({"version": KESTREL_VERSION})
+
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 

@@ -186,6 +186,7 @@ class EngineLoop:
             prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
             spec_accept_histogram=req.spec_accept_histogram if req.finished and req.spec_accept_counts else None,
             prompt_logprobs=req.prompt_logprobs if prompt else None,
+            prompt_logprob_ranks=req.prompt_logprob_ranks if prompt else None,
             prompt_top_logprobs=req.prompt_top_logprobs if prompt else None)
 
     def _send_stats(self) -> None:

@@ -48,11 +48,20 @@ class Choice:
     cached_tokens: int = 0
     spec_accept_histogram: list[int] | None = None
     prompt_logprobs: list[float] | None = None  # params.prompt_logprobs: set with the choice's first update
+    prompt_logprob_ranks: list[int] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        """vLLM's `stop_reason`: the stop string, or the `stop_token_ids` id, that ended the choice; None
+        when EOS, the end of its grammar or a length limit did (`matched_stop` also names an EOS id)."""
+        if isinstance(self.matched_stop, str) or self.matched_stop in (self.params.stop_token_ids or ()):
+            return self.matched_stop
+        return None
 
 
 class Generation:
@@ -126,6 +135,7 @@ class Generation:
             choice.spec_accept_histogram = delta.spec_accept_histogram or choice.spec_accept_histogram
             if delta.prompt_logprobs is not None:
                 choice.prompt_logprobs, choice.prompt_top_logprobs = delta.prompt_logprobs, delta.prompt_top_logprobs
+                choice.prompt_logprob_ranks = delta.prompt_logprob_ranks
             if delta.logprobs is not None:
                 choice.logprobs += delta.logprobs
                 choice.top_logprobs += delta.top_logprobs or []

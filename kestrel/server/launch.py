@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import logging
 import socket
+from collections.abc import Sequence
 
 import uvicorn
 
@@ -57,11 +58,13 @@ def url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def serve(config: EngineConfig, served_model_name: str | None = None) -> int:
+def serve(config: EngineConfig, served_model_names: Sequence[str] = ()) -> int:
     """Run the server until SIGINT/SIGTERM; returns the exit status (0, or 1 if a dead engine could not
     be restarted). Raises ServerStartError (or ValueError for bad config). With `--node-rank` N > 0,
-    run only that node's tensor-parallel ranks (see kestrel.distributed.ranks.run_node_ranks)."""
-    name = served_model_name or config.model.model  # as the user named it ("demo"), not the resolved folder
+    run only that node's tensor-parallel ranks (see kestrel.distributed.ranks.run_node_ranks).
+    `served_model_names`: the names clients may send, the first one reported (default: the model as given,
+    "demo", not the resolved folder)."""
+    name, *aliases = served_model_names or [config.model.model]
     config = config.resolve()
     if config.parallel.node_rank > 0:  # another node's ranks: no HTTP here, node 0 serves
         from kestrel.distributed.ranks import run_node_ranks
@@ -93,7 +96,7 @@ def serve(config: EngineConfig, served_model_name: str | None = None) -> int:
         admission = AdmissionControl(config.scheduler.max_running_requests + server_config.max_queued_requests)
         parser = tool_parser(server_config.tool_call_parser) if server_config.tool_call_parser else None
         state = ServerState(client, tokenization, name, config.model.model, metrics, admission,
-                            server_config.api_key, parser)
+                            server_config.api_key, parser, tuple(aliases))
         debug = server_config.log_level.lower() == "debug"
         # Drain ends every request before uvicorn stops, so uvicorn's own grace period only bounds a
         # connection still sending its request.

@@ -79,6 +79,7 @@ class TokenDelta:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     # In a request's first delta, when prompt logprobs were asked for: one per prompt token after the first.
     prompt_logprobs: list[float] | None = None
+    prompt_logprob_ranks: list[int] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"

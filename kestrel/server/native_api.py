@@ -21,7 +21,7 @@ from kestrel.server.errors import bad_request
 from kestrel.server.generation import Choice, Generation
 from kestrel.server.protocol import GenerateRequest, expand_choices, native_sampling_params, validated
 from kestrel.server.sse import sse_stream
-from kestrel.server.state import ServerState, parse_body, respond
+from kestrel.server.state import ServerState, parse_body, prompt_name, respond
 
 
 def _finish_reason(c: Choice) -> dict[str, Any] | None:
@@ -76,12 +76,21 @@ async def generate(state: ServerState, request: Request) -> Response:
     if body.logprob_start_len < -1:
         raise bad_request(f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position >= 0, got "
                           f"{body.logprob_start_len}", "logprob_start_len")
+    names = {"logprobs": "top_logprobs_num"} if body.return_logprob else {}  # the counts top_logprobs_num set
     if body.return_logprob and body.logprob_start_len >= 0:
         params = dataclasses.replace(params, prompt_logprobs=body.top_logprobs_num)
-    base = validated(params, state.client.info.vocab_size, {"prompt_logprobs": "top_logprobs_num"})
+        names["prompt_logprobs"] = "top_logprobs_num"
+    base = validated(params, state.client.info.vocab_size, names)
     ticket = state.admit(len(given) * n, "sampling_params" if n > 1 else param)
     with ticket.released_on_error():
         prompts = await state.prompt_ids(ticket, given, param, body_bytes)
+        if body.return_logprob and body.logprob_start_len >= 0:
+            for i, prompt in enumerate(prompts):
+                if body.logprob_start_len >= len(prompt):
+                    raise bad_request(f"logprob_start_len {body.logprob_start_len} is past the end of "
+                                      f"{prompt_name(param, i, len(prompts))}, which has {len(prompt)} tokens; "
+                                      f"give a position in [0, {len(prompt) - 1}], or -1 for no prompt logprobs",
+                                      "logprob_start_len")
         # Without max_new_tokens: SamplingParams' default (128, as SGLang's), cut to fit the context.
         params_list = state.params_for(base, prompts, asked, base.max_new_tokens, param, "max_new_tokens", {})
         gen = Generation(state.client, state.tokenizer, *expand_choices(prompts, params_list, n), ticket,

@@ -43,15 +43,40 @@ def _worth_sending(update: ChoiceUpdate) -> bool:
     return bool(update.text) or update.finish_reason is not None or update.logprobs is not None
 
 
+TokenName = Callable[[int], str]
+
+
+def _token_name(state: ServerState, as_ids: bool | None) -> TokenName:
+    """How logprobs name a token: its text, or vLLM's "token_id:N" (return_tokens_as_token_ids), which
+    tells apart tokens whose texts are equal or not valid UTF-8 alone."""
+    return (lambda t: f"token_id:{t}") if as_ids else state.token_text
+
+
+def _prompt_logprobs(state: ServerState, c: Choice) -> list[dict[int, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token a dict from token id to
+    {logprob, rank, decoded_token}: the prompt token's first, then the top params.prompt_logprobs."""
+    def entry(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": state.token_text(token_id)}
+
+    out: list[dict[int, dict[str, Any]] | None] = [None]
+    for token, logprob, rank, top in zip(c.prompt_ids[1:], c.prompt_logprobs or [], c.prompt_logprob_ranks or [],
+                                         c.prompt_top_logprobs or []):
+        position = {token: entry(token, logprob, rank)}
+        for i, (top_id, top_logprob) in enumerate(top[:c.params.prompt_logprobs]):
+            position.setdefault(top_id, entry(top_id, top_logprob, i + 1))
+        out.append(position)
+    return out
+
+
 # ---- /v1/completions ----------------------------------------------------------------------------
-def _completion_logprobs(state: ServerState, ids: list[int], logprobs: list[float | None],
+def _completion_logprobs(name: TokenName, ids: list[int], logprobs: list[float | None],
                          tops: list[list[tuple[int, float]] | None], offset: int) -> dict[str, Any]:
     """OpenAI's legacy logprobs: top_logprobs maps token text to logprob, the chosen token included (so
     up to logprobs + 1 entries, as OpenAI documents); the first prompt token has None for both."""
-    tokens = [state.token_text(t) for t in ids]
+    tokens = [name(t) for t in ids]
     top_logprobs: list[dict[str, float] | None] = []
     for token, chosen, top in zip(tokens, logprobs, tops):
-        entries = None if top is None else {state.token_text(t): lp for t, lp in top}
+        entries = None if top is None else {name(t): lp for t, lp in top}
         if entries is not None and chosen is not None:
             entries.setdefault(token, chosen)
         top_logprobs.append(entries)
@@ -68,14 +93,17 @@ def _joined(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[s
 
 async def completions(state: ServerState, request: Request) -> Response:
     body, body_bytes = await parse_body(request, CompletionRequest)
-    state.check_model(body.model)
+    model = state.check_model(body.model)
     body.check()
     texts, _ = prompt_list(body.prompt)
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     # Every range check before the (maybe long) tokenization; max_tokens again once prompt lengths are known.
-    # echo with logprobs scores the prompt too (what evaluation harnesses read), from the prefill.
+    # echo with logprobs scores the prompt too (what evaluation harnesses read), from the prefill; the
+    # engine computes as many top logprobs as the larger of that and prompt_logprobs asks for.
+    echo_logprobs_num = body.logprobs if body.echo else None
+    asked = [k for k in (echo_logprobs_num, body.prompt_logprobs) if k is not None]
     base = dataclasses.replace(body.sampling_params(max_tokens, body.logprobs),
-                               prompt_logprobs=body.logprobs if body.echo else None)
+                               prompt_logprobs=max(asked, default=None))
     base = validated(base, state.client.info.vocab_size, _API_NAMES)
     ticket = state.admit(len(texts) * body.n, "n" if body.n > 1 else "prompt")
     with ticket.released_on_error():
@@ -86,25 +114,25 @@ async def completions(state: ServerState, request: Request) -> Response:
         gen = Generation(state.client, state.tokenizer, *expand_choices(prompts, params, body.n), ticket,
                          grammar_param=body.grammar_param(), api_names=_API_NAMES)
     echo_of = [echoes[i // body.n] for i in range(len(gen.choices))]
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": gen.created,
-            "model": state.served_model_name}
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": gen.created, "model": model}
+    name = _token_name(state, body.return_tokens_as_token_ids)
     offsets = [len(e) for e in echo_of]  # text_offset of the next token, per choice
     unechoed = set(range(len(echo_of)))  # streaming: the echo goes out with a choice's first update
 
     def logprobs_of(index: int, ids: list[int], lps: list[float] | None, tops: list | None) -> dict | None:
         if lps is None:
             return None
-        out = _completion_logprobs(state, ids, lps, tops or [], offsets[index])
+        out = _completion_logprobs(name, ids, lps, tops or [], offsets[index])
         offsets[index] += sum(len(t) for t in out["tokens"])
         return out
 
     def echo_logprobs(c: Choice) -> dict | None:
         """The prompt tokens' logprobs; the completion's text offsets then continue after their text (as
         vLLM counts them: the tokens' texts, a BOS included, need not spell the echoed prompt)."""
-        if c.prompt_logprobs is None:
+        if echo_logprobs_num is None or c.prompt_logprobs is None:
             return None
-        out = _completion_logprobs(state, c.prompt_ids, [None, *c.prompt_logprobs],
-                                   [None, *(c.prompt_top_logprobs or [])], 0)
+        tops = [top[:echo_logprobs_num] for top in c.prompt_top_logprobs or []]
+        out = _completion_logprobs(name, c.prompt_ids, [None, *c.prompt_logprobs], [None, *tops], 0)
         offsets[c.index] = sum(len(t) for t in out["tokens"])
         return out
 
@@ -116,8 +144,9 @@ async def completions(state: ServerState, request: Request) -> Response:
         if not echo and prompt_lps is None and not _worth_sending(u):
             return None
         lps = _joined(prompt_lps, logprobs_of(u.index, u.token_ids, u.logprobs, u.top_logprobs))
+        c = gen.choices[u.index]
         return {"index": u.index, "text": echo + u.text, "finish_reason": u.finish_reason, "logprobs": lps,
-                "matched_stop": gen.choices[u.index].matched_stop if u.finish_reason else None}
+                "stop_reason": c.stop_reason, "matched_stop": c.matched_stop if u.finish_reason else None}
 
     def events() -> AsyncIterator[bytes]:
         return sse_stream(_events(gen, head, chunk_choice, body.include_usage(), body.n))
@@ -125,18 +154,19 @@ async def completions(state: ServerState, request: Request) -> Response:
     def final(c: Choice) -> dict[str, Any]:
         prompt_lps = echo_logprobs(c) if body.echo else None
         lps = logprobs_of(c.index, c.token_ids, c.logprobs if c.params.logprobs is not None else None, c.top_logprobs)
-        return {"index": c.index, "text": echo_of[c.index] + c.text, "finish_reason": c.finish_reason,
-                "logprobs": _joined(prompt_lps, lps), "matched_stop": c.matched_stop}
+        out = {"index": c.index, "text": echo_of[c.index] + c.text, "finish_reason": c.finish_reason,
+               "logprobs": _joined(prompt_lps, lps), "stop_reason": c.stop_reason, "matched_stop": c.matched_stop}
+        return out | ({"prompt_logprobs": _prompt_logprobs(state, c)} if body.prompt_logprobs is not None else {})
 
     return await respond(request, gen, body.stream, events,
                          lambda: {**head, "choices": [final(c) for c in gen.choices], "usage": gen.usage(body.n)})
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------
-def _chat_logprobs(state: ServerState, ids: list[int], logprobs: list[float],
+def _chat_logprobs(name: TokenName, ids: list[int], logprobs: list[float],
                    tops: list[list[tuple[int, float]]]) -> dict[str, Any]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = state.token_text(token_id)
+        text = name(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     return {"content": [{**entry(t, lp), "top_logprobs": [entry(tt, tlp) for tt, tlp in top]}
@@ -145,7 +175,7 @@ def _chat_logprobs(state: ServerState, ids: list[int], logprobs: list[float],
 
 async def chat_completions(state: ServerState, request: Request) -> Response:
     body, body_bytes = await parse_body(request, ChatCompletionRequest)
-    state.check_model(body.model)
+    model = state.check_model(body.model)
     body.check()
     state.need_tokenization("chat messages", "messages")
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -183,10 +213,11 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
                          prompt_param="messages", grammar_param=grammar_param, api_names=names,
                          on_update=read_tools if readers is not None else None)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": gen.created,
-            "model": state.served_model_name}
+            "model": model}
+    name = _token_name(state, body.return_tokens_as_token_ids)
 
     def logprobs_of(ids: list[int], lps: list[float] | None, tops: list | None) -> dict | None:
-        return None if lps is None else _chat_logprobs(state, ids, lps, tops or [])
+        return None if lps is None else _chat_logprobs(name, ids, lps, tops or [])
 
     def tools_finish(index: int, finish: str | None) -> str | None:
         """A choice that ended on its calls finishes with "tool_calls"; a named tool_choice with "stop",
@@ -206,12 +237,13 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
             finish = tools_finish(u.index, finish)
         if not delta and finish is None and u.logprobs is None:
             return None
+        c = gen.choices[u.index]
         return {"index": u.index, "delta": delta, "logprobs": logprobs_of(u.token_ids, u.logprobs, u.top_logprobs),
-                "finish_reason": finish, "matched_stop": gen.choices[u.index].matched_stop if finish else None}
+                "finish_reason": finish, "stop_reason": c.stop_reason, "matched_stop": c.matched_stop if finish else None}
 
     def events() -> AsyncIterator[bytes]:
         first = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                  "finish_reason": None} for c in gen.choices]
+                  "finish_reason": None, "stop_reason": None} for c in gen.choices]
         return sse_stream(_events(gen, head, chunk_choice, body.include_usage(), body.n, first))
 
     def final(c: Choice) -> dict[str, Any]:
@@ -225,15 +257,20 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
                 message["tool_calls"] = [call.openai() for call in reader.calls]
             finish = tools_finish(c.index, finish)
         return {"index": c.index, "message": message, "logprobs": logprobs_of(c.token_ids, lps, c.top_logprobs),
-                "finish_reason": finish, "matched_stop": c.matched_stop}
+                "finish_reason": finish, "stop_reason": c.stop_reason, "matched_stop": c.matched_stop}
 
-    return await respond(request, gen, body.stream, events,
-                         lambda: {**head, "object": "chat.completion", "choices": [final(c) for c in gen.choices],
-                                  "usage": gen.usage(body.n)})
+    def whole() -> dict[str, Any]:
+        out = {**head, "object": "chat.completion", "choices": [final(c) for c in gen.choices],
+               "usage": gen.usage(body.n)}
+        # vLLM puts them beside the choices: every choice has the same prompt.
+        return out | ({"prompt_logprobs": _prompt_logprobs(state, gen.choices[0])}
+                      if body.prompt_logprobs is not None else {})
+
+    return await respond(request, gen, body.stream, events, whole)
 
 
 def models(state: ServerState) -> dict[str, Any]:
     info = state.client.info
     return {"object": "list", "data": [{
-        "id": state.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "kestrel",
-        "root": state.model_path, "max_model_len": info.context_length}]}
+        "id": name, "object": "model", "created": int(time.time()), "owned_by": "kestrel",
+        "root": state.model_path, "max_model_len": info.context_length} for name in state.served_model_names]}

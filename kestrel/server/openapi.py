@@ -1,8 +1,9 @@
-"""The OpenAPI schema served at /openapi.json, request bodies included.
+"""The OpenAPI schema served at /openapi.json, request bodies and error answers included.
 
 The generation endpoints read their bodies themselves (a 413 before reading, our own 400s), so
 FastAPI cannot see their models; the schemas are added here from the same pydantic classes that
-validate the bodies, so they cannot drift apart.
+validate the bodies, so they cannot drift apart. So are the error answers each route gives, all in
+OpenAI's error shape (`kestrel.server.errors`); no route answers 422 (a bad body is a 400).
 """
 from __future__ import annotations
 
@@ -17,6 +18,22 @@ from kestrel.server.protocol import ChatCompletionRequest, CompletionRequest, Ge
 BODIES: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
                                       "/v1/chat/completions": ChatCompletionRequest, "/generate": GenerateRequest}
 
+ERRORS = {400: "the request is invalid (`param` names the field)", 401: "a missing or wrong API key (with --api-key)",
+          404: "no such model (`code`: model_not_found)", 413: "the body is over --max-request-bytes",
+          503: "the server is draining, restarting its engine, or full (then with Retry-After)"}
+# The error answers of each path beside its 200; the /v1 paths, /generate and /server_info are the ones
+# --api-key protects (kestrel.server.app).
+_GENERATION = (400, 401, 413, 503)
+ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
+    "/v1/completions": (*_GENERATION, 404), "/v1/chat/completions": (*_GENERATION, 404), "/generate": _GENERATION,
+    "/v1/models": (401,), "/server_info": (401,), "/health": (503,), "/ping": (503,)}
+
+ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        "code": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}}}
+
 
 def openapi_schema(app: FastAPI) -> dict[str, Any]:
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
@@ -28,6 +45,12 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
         schema["paths"][path]["post"]["requestBody"] = {
             "required": True,
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    components["ErrorResponse"] = ERROR_SCHEMA
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    for path, statuses in ROUTE_ERRORS.items():
+        for operation in schema["paths"][path].values():
+            operation["responses"].update(
+                {str(status): {"description": ERRORS[status], "content": error} for status in statuses})
     return schema
 
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.server.errors import APIError, bad_request, from_validation_error
 from kestrel.server.request_limits import check_grammar
-from kestrel.server.structured import GRAMMAR_FIELDS, response_format_grammar
+from kestrel.server.structured import GRAMMAR_FIELDS, response_format_grammar, structured_outputs_grammar
 from kestrel.server.tokenization import lone_surrogate
 
 MAX_N = 128  # OpenAI's limit on choices per request
@@ -54,35 +54,55 @@ class _OpenAISampling(_Body):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # Structured outputs: OpenAI's response_format, or SGLang's extra fields (at most one of all four).
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or SGLang's extra fields
+    # (at most one of them all).
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # vLLM's extras: the prompt tokens' logprobs (and this many top ones at each position), and logprob
+    # tokens named "token_id:N" rather than by their text.
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool | None = None
 
     def _check(self) -> None:
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         check_grammar(self.response_format, "response_format", "response_format")
+        check_grammar(self.structured_outputs, "structured_outputs", "structured_outputs")
+        if isinstance(self.structured_outputs, dict):
+            check_grammar(self.structured_outputs.get("json"), "structured_outputs.json", "structured_outputs",
+                          json_text=True)
         for name in GRAMMAR_FIELDS:
             check_grammar(getattr(self, name), name, name, json_text=name == "json_schema")
-        for name in ("stop", "response_format", *GRAMMAR_FIELDS):
+        for name in ("stop", "response_format", "structured_outputs", *GRAMMAR_FIELDS):
             if problem := lone_surrogate(getattr(self, name), name):
                 raise bad_request(problem, name)
+        if self.prompt_logprobs is not None:
+            validated(SamplingParams(prompt_logprobs=self.prompt_logprobs), None, {})
+            if self.stream:  # as vLLM: they would come with no chunk of their own
+                raise bad_request("prompt_logprobs are not available with stream=true", "prompt_logprobs")
+
+    def _grammars(self) -> dict[str, dict[str, Any]]:
+        """Each field that constrains the output -> the SamplingParams grammar field it asks for."""
+        out = {name: grammar for name, grammar in (
+            ("response_format", response_format_grammar(self.response_format)),
+            ("structured_outputs", structured_outputs_grammar(self.structured_outputs))) if grammar}
+        return out | {name: {name: value} for name in GRAMMAR_FIELDS if (value := getattr(self, name)) is not None}
 
     def grammar(self) -> dict[str, Any]:
         """The SamplingParams grammar field the request asks for ({} for none); 400 for two of them."""
-        given = {name: value for name in GRAMMAR_FIELDS if (value := getattr(self, name)) is not None}
-        from_format = response_format_grammar(self.response_format)
-        if from_format and given:
-            raise bad_request(f"response_format and {next(iter(given))} both constrain the output; give one",
-                              "response_format")
-        return from_format or given
+        given = self._grammars()
+        if len(given) > 1:
+            first, second = list(given)[:2]
+            raise bad_request(f"{first} and {second} both constrain the output; give one", first)
+        return next(iter(given.values()), {})
 
     def grammar_param(self) -> str | None:
-        """The field that an engine error about the grammar should name: response_format when it set the
-        grammar; None: the SamplingParams field itself (regex, ...)."""
-        return "response_format" if response_format_grammar(self.response_format) else None
+        """The field that an engine error about the grammar should name: response_format or
+        structured_outputs when it set the grammar; None: the SamplingParams field itself (regex, ...)."""
+        return next((name for name in self._grammars() if name not in GRAMMAR_FIELDS), None)
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -101,7 +121,7 @@ class _OpenAISampling(_Body):
             frequency_penalty=pick(self.frequency_penalty, 0.0), presence_penalty=pick(self.presence_penalty, 0.0),
             repetition_penalty=pick(self.repetition_penalty, 1.0), seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens, logprobs=top_logprobs,
+            skip_special_tokens=self.skip_special_tokens, logprobs=top_logprobs, prompt_logprobs=self.prompt_logprobs,
             **(self.grammar() if grammar is None else grammar))
 
 
@@ -143,7 +163,7 @@ class NamedToolChoice(_Body):
 
 
 class ChatCompletionRequest(_OpenAISampling):
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
@@ -165,7 +185,10 @@ class ChatCompletionRequest(_OpenAISampling):
 
 
 class GenerateRequest(_Body):
-    """SGLang's native `/generate`."""
+    """SGLang's native `/generate`: exactly one of `text` and `input_ids` (the schema says so too)."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": [name], "properties": {name: {"not": {"type": "null"}}}} for name in ("text", "input_ids")]})
 
     nested_fields: ClassVar[tuple[str, ...]] = ("sampling_params",)  # its fields are the client's values
 

@@ -36,15 +36,26 @@ class ServerState:
     admission: AdmissionControl
     api_key: str | None = None
     tool_parser: ToolParser | None = None  # --tool-call-parser: the format of the model's tool calls
+    model_aliases: tuple[str, ...] = ()  # further --served-model-name names clients may send
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.model_aliases)
 
     @property
     def tokenizer(self) -> Any:
         return self.tokenization.tokenizer if self.tokenization is not None else None
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise APIError(400, f"model {model!r} does not exist; this server serves {self.served_model_name!r} "
-                                "(see /v1/models)", "model", "model_not_found")
+    def check_model(self, model: str | None) -> str:
+        """The name the answer reports: the one the request sent, or the first served name. A name this
+        server does not serve is a 404, as OpenAI and vLLM answer it (SDKs raise NotFoundError)."""
+        if model is None:
+            return self.served_model_name
+        if model not in self.served_model_names:
+            served = ", ".join(repr(name) for name in self.served_model_names)
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {served} (see /v1/models)",
+                           "model", "model_not_found", type="invalid_request_error")
+        return model
 
     def need_tokenization(self, what: str, param: str) -> Tokenization:
         if self.tokenization is None:

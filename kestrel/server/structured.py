@@ -46,3 +46,53 @@ def response_format_grammar(response_format: dict[str, Any] | None) -> dict[str,
         return {"structural_tag": json.dumps(response_format, ensure_ascii=False)}
     raise bad_request(f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)}, got {kind!r}",
                       "response_format")
+
+
+# vLLM's `structured_outputs` keys: the constraints (at most one), then options that change no output here.
+STRUCTURED_OUTPUT_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# Our grammars never generate a property the schema does not list, and never fall back to another backend.
+STRUCTURED_OUTPUT_NO_OPS = ("disable_additional_properties", "disable_fallback")
+# Options that would change the output and that the grammar compiler is not given: refused when set.
+STRUCTURED_OUTPUT_UNSUPPORTED = ("disable_any_whitespace", "whitespace_pattern")
+
+
+def structured_outputs_grammar(spec: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM's `structured_outputs` as the SamplingParams grammar field ({} for none); 400 for a malformed
+    one, one with two constraints, or one that asks for an option we do not serve.
+
+    `json` is a schema (object or text), `grammar` an EBNF grammar, `json_object: true` any JSON object,
+    and `choice` exactly one of its strings (an EBNF alternation of literals)."""
+    if spec is None:
+        return {}
+    known = (*STRUCTURED_OUTPUT_CONSTRAINTS, *STRUCTURED_OUTPUT_NO_OPS, *STRUCTURED_OUTPUT_UNSUPPORTED)
+    if unknown := sorted(set(spec) - set(known)):
+        raise bad_request(f"structured_outputs has unknown key(s) {', '.join(unknown)}; valid keys: "
+                          f"{', '.join(known)}", "structured_outputs")
+    if asked := [k for k in STRUCTURED_OUTPUT_UNSUPPORTED if spec.get(k) not in (None, False)]:
+        raise bad_request(f"structured_outputs.{asked[0]} is not supported", "structured_outputs")
+    given = [k for k in STRUCTURED_OUTPUT_CONSTRAINTS if spec.get(k) not in (None, False)]
+    if len(given) > 1:
+        raise bad_request(f"structured_outputs has {' and '.join(given)}; give one constraint of "
+                          f"{', '.join(STRUCTURED_OUTPUT_CONSTRAINTS)}", "structured_outputs")
+    if not given:
+        return {}
+    kind, value = given[0], spec[given[0]]
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise bad_request(f"structured_outputs.{kind} must be {what}, got {type(value).__name__}",
+                              "structured_outputs")
+
+    if kind == "json":
+        need(isinstance(value, (str, dict)), "a JSON Schema (an object or its JSON text)")
+        return {"json_schema": value}
+    if kind == "json_object":
+        need(value is True, "a boolean")
+        return {"json_schema": ANY_OBJECT}
+    if kind == "choice":
+        need(isinstance(value, list) and bool(value) and all(isinstance(c, str) for c in value),
+             "a non-empty list of strings")
+        # JSON string escapes are EBNF's too: each choice is a literal, whatever characters it holds.
+        return {"ebnf": "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)}
+    need(isinstance(value, str), "a string")
+    return {{"regex": "regex", "grammar": "ebnf", "structural_tag": "structural_tag"}[kind]: value}

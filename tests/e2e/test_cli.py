@@ -55,3 +55,63 @@ def test_a_bundled_name_as_tokenizer_means_the_bundled_folder(tiny_model):
 
     config = EngineConfig.from_flat(model=tiny_model("llama"), tokenizer="demo", device="cpu").resolve()
     assert config.model.tokenizer == resolve_model_path("demo") != "demo"
+
+
+def test_vllm_flag_names_are_aliases_of_ours_shown_together_in_help(tiny_model, capsys):
+    from kestrel.cli import build_parser, config_from_args
+
+    vllm = build_parser().parse_args([
+        "serve", tiny_model("llama"), "--max-model-len", "512", "--max-num-seqs", "3", "--max-num-batched-tokens",
+        "64", "--gpu-memory-utilization", "0.5", "--tensor-parallel-size", "1", "--no-enable-prefix-caching",
+        "--served-model-name", "a", "b", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    ours = build_parser().parse_args([
+        "serve", "--model", tiny_model("llama"), "--context-length", "512", "--max-running-requests", "3",
+        "--chunked-prefill-size", "64", "--mem-fraction-static", "0.5", "--tp-size", "1", "--disable-radix-cache",
+        "--tool-call-parser", "hermes"])
+    assert vllm.model_tag == ours.model and vllm.served_model_name == ["a", "b"]
+    assert config_from_args(vllm) == config_from_args(ours)
+    on = build_parser().parse_args(["serve", "--enable-prefix-caching"])
+    assert config_from_args(on).cache.disable_radix_cache is False
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for pair in ["--context-length CONTEXT_LENGTH, --max-model-len", "--tp-size TP_SIZE, --tensor-parallel-size",
+                 "--max-running-requests MAX_RUNNING_REQUESTS, --max-num-seqs",
+                 "--chunked-prefill-size CHUNKED_PREFILL_SIZE, --max-num-batched-tokens",
+                 "--mem-fraction-static MEM_FRACTION_STATIC, --gpu-memory-utilization",
+                 "--enable-prefix-caching, --no-enable-prefix-caching"]:
+        assert pair in help_text, pair
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--model", "demo"], "the model is given twice"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    (["--enable-prefix-caching", "--disable-radix-cache"], "contradict each other"),
+])
+def test_serve_refuses_contradicting_flags_in_one_line(tiny_model, capsys, extra, message):
+    assert main(["serve", tiny_model("llama"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kestrel: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_a_broken_config_json_is_one_line_naming_the_file(tiny_model, tmp_path, capsys):
+    """A malformed file, and sizes that do not fit together: `kestrel: error:` and exit 2, no traceback."""
+    import json
+    import shutil
+
+    cases = {"malformed": lambda c: "{\n  \"hidden_size\": 64,\n",
+             "heads": lambda c: json.dumps({**c, "num_attention_heads": 6, "num_key_value_heads": 6, "head_dim": None}),
+             "kv_heads": lambda c: json.dumps({**c, "num_key_value_heads": 3})}
+    expected = {"malformed": "is not valid JSON: Expecting property name enclosed in double quotes: line 3",
+                "heads": "hidden_size (64) is not a multiple of num_attention_heads (6)",
+                "kv_heads": "num_attention_heads (4) is not a multiple of num_key_value_heads (3)"}
+    for name, edit in cases.items():
+        folder = tmp_path / name
+        shutil.copytree(tiny_model("llama"), folder)
+        config = folder / "config.json"
+        config.write_text(edit(json.loads(config.read_text())))
+        for argv in (["serve", str(folder)], ["generate", "--model", str(folder), "--prompt", "x"]):
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert err.startswith(f"kestrel: error: {config}"), err
+            assert expected[name] in err and err.count("\n") == 1 and "Traceback" not in err, err

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -13,6 +15,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from kestrel import Engine, SamplingParams
 from kestrel.engine.tokenizer import apply_chat_template
@@ -20,6 +23,7 @@ from tests.e2e import server_process
 from tests.e2e.server_process import REPO, ServerProcess, free_port, metric_samples, pid_exists, serve_command, wait_idle
 
 NAME = "tiny"
+ALIAS = "tiny-alias"  # a second --served-model-name
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 IGNORE_EOS = {"ignore_eos": True}  # the random model may pick eos at any point; counts must be exact
@@ -33,7 +37,7 @@ def model(tiny_model) -> str:
 
 @pytest.fixture(scope="module")
 def server(model):
-    srv = ServerProcess(model, "--served-model-name", NAME, "--api-key", KEY)
+    srv = ServerProcess(model, "--served-model-name", NAME, ALIAS, "--api-key", KEY)
     yield srv
     srv.stop()
 
@@ -131,10 +135,111 @@ def test_stop_string_cuts_the_text_streamed_or_not(client):
     out = client.completions.create(stop=[stop, "never-there"], **args)
     assert out.choices[0].text == expected
     assert out.choices[0].finish_reason == "stop"
-    assert out.choices[0].model_extra["matched_stop"] == stop
+    assert out.choices[0].model_extra["matched_stop"] == out.choices[0].model_extra["stop_reason"] == stop
     chunks = list(client.completions.create(stop=stop, stream=True, **args))
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
+    assert [c.choices[0].model_extra["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [stop]
+
+
+def test_stop_reason_is_the_stop_token_id_and_null_at_the_length_limit(client, offline):
+    """vLLM's stop_reason on every choice, streamed or not: the stop_token_ids id that ended it, else null."""
+    def stop_at_a_new_token(prompt_ids: list[int]) -> tuple[int, int]:
+        """(index, id) of the first greedy token that does not come earlier in the output."""
+        ids = offline.generate(prompt_token_ids=[prompt_ids], sampling_params=SamplingParams(
+            max_new_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
+        return next((i, ids[i]) for i in range(1, 8) if ids[i] not in ids[:i])
+
+    at, token = stop_at_a_new_token(offline.tokenizer.encode("def fibonacci(n):"))
+    stop = {"stop_token_ids": [token], "ignore_eos": True}
+    out = client.completions.create(model=NAME, prompt="def fibonacci(n):", max_tokens=8, temperature=0,
+                                    extra_body=stop)
+    assert (out.choices[0].finish_reason, out.choices[0].model_extra["stop_reason"]) == ("stop", token)
+    assert out.usage.completion_tokens == at + 1
+    chunks = list(client.completions.create(model=NAME, prompt="def fibonacci(n):", max_tokens=8, temperature=0,
+                                            stream=True, extra_body=stop))
+    assert [c.choices[0].model_extra["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [token]
+
+    _, token = stop_at_a_new_token(apply_chat_template(offline.tokenizer, MESSAGES))
+    args = dict(model=NAME, messages=MESSAGES, max_tokens=8, temperature=0,
+                extra_body={"stop_token_ids": [token], "ignore_eos": True})
+    assert client.chat.completions.create(**args).choices[0].model_extra["stop_reason"] == token
+    chunks = list(client.chat.completions.create(stream=True, **args))
+    assert [c.choices[0].model_extra["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [token]
+    chunks = list(client.chat.completions.create(messages=MESSAGES, stream=True, **greedy(6)))
+    assert [c.choices[0].model_extra["stop_reason"] for c in chunks] == [None] * len(chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_reason_is_null_for_eos_and_a_grammars_end():
+    """matched_stop names an EOS id too (SGLang); stop_reason only a stop string or a stop_token_ids id."""
+    from kestrel.server.generation import Choice
+
+    def reason(matched, stop_token_ids=None):
+        choice = Choice(0, "r", [1], SamplingParams(stop_token_ids=stop_token_ids), finish_reason="stop")
+        choice.matched_stop = matched
+        return choice.stop_reason
+
+    assert reason(2) is None and reason(None) is None  # EOS id 2; a grammar that ended
+    assert reason(2, [2, 9]) == 2 and reason("###") == "###"
+
+
+def test_unknown_model_is_a_404_the_sdk_raises_as_not_found(client, http):
+    for create in (lambda: client.completions.create(model="gpt-4", prompt="x"),
+                   lambda: client.chat.completions.create(model="gpt-4", messages=MESSAGES)):
+        with pytest.raises(openai.NotFoundError) as e:
+            create()
+        assert (e.value.body["code"], e.value.body["param"]) == ("model_not_found", "model")
+    # Every served name is accepted and reported back; no name: the first one.
+    assert client.completions.create(prompt="x", **{**greedy(2), "model": ALIAS}).model == ALIAS
+    assert http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}).json()["model"] == NAME
+
+
+def test_prompt_logprobs_in_vllms_shape_equal_transformers(client, http, offline, model):
+    """/v1/completions: on each choice; chat: beside the choices. None first, then token id -> {logprob,
+    rank, decoded_token} for the prompt token and the top k."""
+    from transformers import AutoModelForCausalLM
+
+    ids = offline.tokenizer.encode("def fibonacci(n): return n")
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        oracle = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    out = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}).json()
+    got = out["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    for i, position in enumerate(got[1:], start=1):
+        row = oracle[i - 1]
+        want = {ids[i]: row[ids[i]].item(), **{t: v for v, t in zip(*[x.tolist() for x in row.topk(2)])}}
+        assert {int(t): e["logprob"] for t, e in position.items()} == pytest.approx(want, abs=1e-4)
+        assert list(position)[0] == str(ids[i])  # the prompt token first
+        for t, e in position.items():  # ranks within float noise of the oracle's
+            above = lambda margin: 1 + int((row > row[int(t)] + margin).sum())
+            assert above(1e-4) <= e["rank"] <= above(-1e-4) and e["decoded_token"] == offline.tokenizer.decode([int(t)])
+
+    chat = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1, "n": 2, "prompt_logprobs": 0,
+                                                   "temperature": 0}).json()
+    prompt = apply_chat_template(offline.tokenizer, MESSAGES)
+    same = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"] == same["choices"][0]["prompt_logprobs"]
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all("prompt_logprobs" not in c for c in chat["choices"])
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, http, offline):
+    prompt = "import torch"
+    prompt_ids = offline.tokenizer.encode(prompt)
+    want = offline.generate(prompt, SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))[0].token_ids
+    as_ids = {"return_tokens_as_token_ids": True, "ignore_eos": True}
+    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True,
+                                    extra_body=as_ids)
+    lp = out.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in prompt_ids + want]
+    assert all(re.fullmatch(r"token_id:\d+", t) for top in lp.top_logprobs[1:] for t in top)
+    chat = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=1, extra_body=as_ids)
+    chat_want = offline.generate(prompt_token_ids=[apply_chat_template(offline.tokenizer, MESSAGES)],
+                                 sampling_params=SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
+    assert [t.token for t in chat.choices[0].logprobs.content] == [f"token_id:{t}" for t in chat_want[0].token_ids]
 
 
 def test_logprobs_and_echo(client):
@@ -200,8 +305,10 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_offline_engine(client, http
 
 
 def test_models_health_and_native_generate(client, http, offline):
-    assert [m.id for m in client.models.list().data] == [NAME]
+    assert [m.id for m in client.models.list().data] == [NAME, ALIAS]
     assert http.get("/health").status_code == 200
+    assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
+    assert http.get("/version").json() == {"version": importlib.metadata.version("kestrel")}
 
     prompt = "import torch"
     expected = offline.generate(prompt, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))[0]
@@ -248,7 +355,15 @@ BAD_INPUTS = [
     ("/v1/completions", b"{not json", None),
     ("/v1/completions", b"[1, 2]", None),
     ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', None),
-    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, "model"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),  # vLLM's "all": not served
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"choise": ["a"]}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": []}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"json_object": True, "whitespace_pattern": " "}},
+     "structured_outputs"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a"}, "regex": "b"}, "structured_outputs"),
     ("/v1/completions", {"model": NAME}, "prompt"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
@@ -268,6 +383,8 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**7}, "max_tokens"),  # more than the context
     ("/v1/chat/completions", {"model": NAME}, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "prompt_logprobs": 30}, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
     ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": -2}, "max_completion_tokens"),
@@ -275,6 +392,8 @@ BAD_INPUTS = [
     ("/generate", {"text": "x", "sampling_params": {"bogus": 1}}, "sampling_params"),
     ("/generate", {"text": "x", "sampling_params": {"temperature": -1}}, "temperature"),
     ("/generate", {"input_ids": []}, "input_ids"),
+    ("/generate", {"text": "x", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+    ("/generate", {"input_ids": [5, 6, 7], "return_logprob": True, "logprob_start_len": 3}, "logprob_start_len"),
 ]
 
 
@@ -288,9 +407,9 @@ def test_bad_input_gets_an_openai_style_400_and_the_server_keeps_serving(client,
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"], error
         assert error["type"] == "invalid_request_error" and error["param"] == param, (body, error)
-    with pytest.raises(openai.BadRequestError, match="does not exist"):
-        client.completions.create(model="nope", prompt="x")
     assert http.get("/v1/nothing-here").json()["error"]["type"] == "not_found_error"
+    r = http.delete("/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and "POST" in r.json()["error"]["message"]
     assert client.completions.create(prompt="still fine", **greedy(3)).usage.completion_tokens == 3
     wait_idle(http)
 
@@ -340,6 +459,22 @@ def test_openapi_schema_describes_every_endpoint_and_its_body(http):
     stream_options = components["CompletionRequest"]["properties"]["stream_options"]
     refs = [option.get("$ref") for option in stream_options.get("anyOf", [stream_options])]
     assert "#/components/schemas/StreamOptions" in refs and "StreamOptions" in components  # nested models resolve
+    # The error answers, in the error shape every one of them has; /metrics is text; the bodies say what is
+    # accepted (non-empty messages, one of text / input_ids).
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    for path, method, statuses in [("/v1/completions", "post", "400 401 404 413 503"),
+                                   ("/v1/chat/completions", "post", "400 401 404 413 503"),
+                                   ("/generate", "post", "400 401 413 503"), ("/v1/models", "get", "401"),
+                                   ("/health", "get", "503"), ("/ping", "get", "503")]:
+        responses = paths[path][method]["responses"]
+        assert sorted(responses) == sorted(["200", *statuses.split()]), (path, responses)
+        assert all(responses[s]["content"] == error for s in statuses.split())
+    r = http.post("/v1/completions", json={"model": "nope", "prompt": "x"}).json()
+    assert set(r["error"]) == set(components["ErrorResponse"]["properties"]["error"]["required"])
+    assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    assert components["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
+    one_of = components["GenerateRequest"]["oneOf"]
+    assert [branch["required"] for branch in one_of] == [["text"], ["input_ids"]]
 
 
 def test_metrics_parse_and_count_tokens(client, http):
@@ -418,6 +553,7 @@ def test_dead_engine_gives_503_then_the_server_restarts_it(model):
             assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "engine_dead"
             r = http.get("/health")
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+            assert http.get("/ping").status_code == 503  # SageMaker's probe follows /health
             samples = metric_samples(http)
             assert metric(samples, "kestrel:engine_alive") == 0
             assert metric(samples, "kestrel:num_running_reqs") == 0 and metric(samples, "kestrel:token_usage") == 0

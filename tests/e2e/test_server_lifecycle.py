@@ -141,7 +141,7 @@ def test_sigterm_drains_then_aborts_every_stream_cleanly_and_exits_within_its_bo
         with httpx.Client(base_url=srv.url, timeout=30) as http:  # still listening, no longer admitting
             r = http.post("/v1/completions", json={"prompt": "too late", "max_tokens": 2})
             assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
-            assert http.get("/health").status_code == 503
+            assert http.get("/health").status_code == 503 and http.get("/ping").status_code == 503
         for s in [*long, short]:
             s.join(60)
         waiter.join(60)

@@ -49,7 +49,7 @@ def server(model):
         # One torch thread in the engine process: the test machine's cores are shared.
         mp.setenv("OMP_NUM_THREADS", "1")
         srv = ServerProcess(model, "--served-model-name", NAME, "--tool-call-parser", "hermes",
-                            "--tokenizer-pool-size", "1")
+                            "--enable-auto-tool-choice", "--tokenizer-pool-size", "1")  # vLLM's flag, accepted
     yield srv
     srv.stop()
 
@@ -100,6 +100,32 @@ def test_sglang_grammar_fields_on_completions_and_generate(client, http):
     ebnf = http.post("/generate", json={"text": "Code:", "sampling_params": {
         "max_new_tokens": 40, "ebnf": 'root ::= "<" ("a" | "b")+ ">"'}}).json()
     assert re.fullmatch("<[ab]+>", ebnf["text"]) and ebnf["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+CHOICES = ['say "maybe"', "back\\slash", "tab\there"]  # each must come out as written, escapes and all
+
+
+@pytest.mark.parametrize("spec, check", [
+    ({"regex": r"[A-Z]{2}-[0-9]{3}"}, lambda text: re.fullmatch(r"[A-Z]{2}-[0-9]{3}", text)),
+    ({"choice": CHOICES}, lambda text: text in CHOICES),
+    ({"grammar": 'root ::= "<" ("a" | "b")+ ">"'}, lambda text: re.fullmatch("<[ab]+>", text)),
+    ({"json": SCHEMA, "disable_additional_properties": True}, lambda text: jsonschema.validate(json.loads(text), SCHEMA)
+     is None),
+    ({"json": json.dumps(SCHEMA)}, lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
+])
+def test_vllm_structured_outputs_constrain_completions(client, spec, check):
+    for seed in (1, 2):
+        out = client.completions.create(model=NAME, prompt="Answer:", max_tokens=200, temperature=1.0, seed=seed,
+                                        extra_body={"structured_outputs": spec})
+        assert check(out.choices[0].text), out.choices[0].text
+        assert out.choices[0].finish_reason == "stop"
+
+
+def test_vllm_structured_outputs_json_object_is_response_formats(client):
+    args = dict(model=NAME, messages=MESSAGES, max_tokens=12, temperature=1.0, seed=4)
+    vllm = client.chat.completions.create(extra_body={"structured_outputs": {"json_object": True}}, **args)
+    openai_way = client.chat.completions.create(response_format={"type": "json_object"}, **args)
+    assert vllm.choices[0].message.content == openai_way.choices[0].message.content
 
 
 def test_invalid_grammars_are_a_400_with_the_compilers_message_and_the_server_goes_on(client, http):
@@ -273,7 +299,8 @@ def test_hostile_grammar_and_tool_fields_are_never_a_5xx(server, http):
     valid_tool = TOOLS[0]
     cases = []
     for value in HOSTILE:
-        for field in ("response_format", "json_schema", "regex", "ebnf", "tools", "tool_choice", "parallel_tool_calls"):
+        for field in ("response_format", "structured_outputs", "json_schema", "regex", "ebnf", "tools", "tool_choice",
+                      "parallel_tool_calls"):
             cases.append(("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, field: value}))
         cases.append(("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, "tools": [valid_tool],
                                                "tool_choice": "required", "parallel_tool_calls": False,
