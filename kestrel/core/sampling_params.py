@@ -113,7 +113,8 @@ class SamplingParams:
             bad("seed", "an integer or None")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             bad("logprobs", "None or an integer in [0, 20]")
-        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20):
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
             bad("prompt_logprobs", "None or an integer in [0, 20]")
         if not all(isinstance(s, str) and s for s in self.stop_strs):
             bad("stop", "a non-empty string or a list of non-empty strings")

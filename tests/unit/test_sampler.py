@@ -292,7 +292,8 @@ def test_logit_bias_is_added_to_the_logits_of_its_row_for_greedy_and_sampled_row
 def test_logit_bias_cannot_lift_a_blocked_token_and_follows_penalties():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 0.5]])
     # EOS (3) is blocked by min_new_tokens: +100 cannot bring it back.
-    assert sample(logits, [req(output=[0], temperature=0.0, min_new_tokens=2, logit_bias={EOS: 100.0})]).token_ids == [2]
+    blocked = req(output=[0], temperature=0.0, min_new_tokens=2, logit_bias={EOS: 100.0})
+    assert sample(logits, [blocked]).token_ids == [2]
     # Penalty first (2 / 2 = 1), then the bias: 1 + 0.75 beats token 1 (1.0) and token 4 (0.5).
     r = req(output=[2], temperature=0.0, repetition_penalty=2.0, logit_bias={2: 0.75, EOS: -100.0})
     assert sample(logits, [r]).token_ids == [2]
