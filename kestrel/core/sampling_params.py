@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,14 +19,28 @@ class UnsupportedParamError(ValueError):
         super().__init__(message)
         self.param = param
 
+# A temperature below this samples greedily (vLLM's threshold). There, two logits more than 1e-3 apart
+# (finer than a bf16 logit's resolution above 1) already differ by more than float32's exp can hold
+# (e**-104 underflows), so sampling could only differ from argmax on ties; and dividing by a smaller
+# temperature (1e-38, a subnormal) sends finite logits to inf and the softmax to NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# A seen token's logit is divided or multiplied by repetition_penalty: below 0.01 (100x) a seen token
+# already wins over any other, and a tinier value only pushes logits toward overflow; above 2 (SGLang's
+# bound) the text is no longer the model's.
+REPETITION_PENALTY_RANGE = (0.01, 2.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+
 
 @dataclass
 class SamplingParams:
     """How one request is sampled and when it stops.
 
-    `temperature == 0` means greedy. `top_k == -1` disables top-k. `seed=None` draws a random
-    seed once when the request is created; every token's randomness is derived from
-    (seed, position), so batch neighbours, retraction and chunking never change the sample.
+    `temperature` below GREEDY_BELOW_TEMPERATURE (0 included) means greedy. `top_k == -1` disables
+    top-k; top-k, top-p and min-p always keep the most likely token. `logit_bias` maps token ids to a
+    number in [-100, 100] added to their logits before a token is picked (greedy included), as
+    OpenAI's. `seed=None` draws a random seed once when the request is created; every token's
+    randomness is derived from (seed, position), so batch neighbours, retraction and chunking never
+    change the sample.
 
     At most one of `json_schema` (a JSON Schema, as text or a dict), `regex`, `ebnf` (a GBNF
     grammar) or `structural_tag` (xgrammar's structural-tag JSON) constrains the output: tokens the
@@ -42,6 +57,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -59,6 +75,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.stop_strs = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
@@ -85,35 +105,32 @@ class SamplingParams:
         def bad(name: str, allowed: str) -> None:
             raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
-        def is_int(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_num(v: object) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-        if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             bad("max_new_tokens", "an integer >= 0")
-        if not is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+        if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             bad("min_new_tokens", f"an integer in [0, max_new_tokens={self.max_new_tokens}]")
-        if not is_num(self.temperature) or self.temperature < 0:
-            bad("temperature", "a number >= 0 (0 means greedy)")
-        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+        if not _is_num(self.temperature) or self.temperature < 0:
+            bad("temperature", f"a finite number >= 0 (below {GREEDY_BELOW_TEMPERATURE:g}: greedy)")
+        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "a number in (0, 1]")
-        if not is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             bad("top_k", "-1 (disabled) or an integer >= 1")
-        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+        if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "a number in [0, 1]")
-        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad("repetition_penalty", "a number > 0 (1 disables it)")
-        if not is_num(self.frequency_penalty) or not -2 <= self.frequency_penalty <= 2:
+        low, high = REPETITION_PENALTY_RANGE
+        if not _is_num(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+            bad("repetition_penalty", f"a number in [{low:g}, {high:g}] (1 disables it)")
+        if not _is_num(self.frequency_penalty) or not -2 <= self.frequency_penalty <= 2:
             bad("frequency_penalty", "a number in [-2, 2]")
-        if not is_num(self.presence_penalty) or not -2 <= self.presence_penalty <= 2:
+        if not _is_num(self.presence_penalty) or not -2 <= self.presence_penalty <= 2:
             bad("presence_penalty", "a number in [-2, 2]")
-        if self.seed is not None and not is_int(self.seed):
+        self._validate_logit_bias(vocab_size)
+        if self.seed is not None and not _is_int(self.seed):
             bad("seed", "an integer or None")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             bad("logprobs", "None or an integer in [0, 20]")
-        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20):
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
             bad("prompt_logprobs", "None or an integer in [0, 20]")
         if not all(isinstance(s, str) and s for s in self.stop_strs):
             bad("stop", "a non-empty string or a list of non-empty strings")
@@ -131,5 +148,27 @@ class SamplingParams:
         if len(given) > 1:
             raise ValueError(f"{given[0]} and {given[1]} are both set: give at most one of {', '.join(GRAMMAR_KINDS)}")
         ids = self.stop_token_ids or []
-        if not all(is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size) for t in ids):
+        if not all(_is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size) for t in ids):
             bad("stop_token_ids", f"a list of token ids in [0, {vocab_size})")
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        if self.logit_bias is None:
+            return
+        low, high = LOGIT_BIAS_RANGE
+        allowed = f"a map from token ids in [0, {vocab_size}) to numbers in [{low:g}, {high:g}]"
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be {allowed}, got {type(self.logit_bias).__name__}")
+        for token, bias in self.logit_bias.items():  # the first bad entry only: the map may be large
+            if not _is_int(token) or token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise ValueError(f"logit_bias must be {allowed}; {token!r} is not a token id of this model")
+            if not _is_num(bias) or not low <= bias <= high:
+                raise ValueError(f"logit_bias must be {allowed}; token {token} has {bias!r}")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    """A finite int or float: inf and NaN would slip through the range checks."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

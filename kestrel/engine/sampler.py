@@ -23,6 +23,10 @@ _M32 = 0xFFFFFFFF
 _MAX_PACKED_VOCAB = 1 << 24
 
 _ToTensor = Callable[[list, torch.dtype], torch.Tensor]  # host list -> tensor on the batch's device
+# A temperature is a float32 on the device: a larger one (SGLang's /generate takes any, 1e308 too) would
+# become inf, and -inf / inf (a blocked token) is NaN. Dividing by the largest float32 already makes
+# every finite logit ~0: a uniform draw over the tokens not blocked.
+_MAX_TEMPERATURE = torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -57,6 +61,24 @@ class Penalties:
 
 
 @dataclass
+class LogitBias:
+    """Every row's logit_bias as flat (row, token id, bias) triples: one scatter, no loop over the vocab."""
+
+    rows: torch.Tensor  # [N] int64
+    ids: torch.Tensor  # [N] int64
+    values: torch.Tensor  # [N] float32
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """float32 logits [B, V], or [B, n, V] (n positions per row, as a verify scores), with the bias
+        added at every position of its row (out of place)."""
+        biased = logits.float().reshape(logits.shape[0], -1, logits.shape[-1])
+        positions = torch.arange(biased.shape[1], device=logits.device)
+        biased = biased.index_put((self.rows[:, None], positions[None, :], self.ids[:, None]),
+                                  self.values[:, None].expand(-1, biased.shape[1]), accumulate=True)
+        return biased.view(logits.shape)
+
+
+@dataclass
 class SamplingBatch:
     """Per-batch sampling tensors built once per step from the requests being sampled (all on `device`).
 
@@ -68,12 +90,13 @@ class SamplingBatch:
     vocab_size: int
     all_greedy: bool
     penalties: Penalties | None
+    logit_bias: LogitBias | None
     blocked: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) forced to -inf
     logprob_rows: torch.Tensor | None  # [R] int64, rows with params.logprobs is not None
     logprob_asks: list[tuple[int, int]]  # host copy: (row, params.logprobs) per logprob row
     # The sampling-path tensors stay None in an all-greedy batch (argmax needs none of them, and each
     # would cost a host-to-device copy every step).
-    greedy: torch.Tensor | None = None  # [B] bool, temperature == 0
+    greedy: torch.Tensor | None = None  # [B] bool, SamplingParams.greedy
     temperatures: torch.Tensor | None = None  # [B] float32, 1.0 on greedy rows
     seed_lo: torch.Tensor | None = None  # [B] int64, low 32 bits of the 64-bit seed
     seed_hi: torch.Tensor | None = None  # [B] int64, high 32 bits
@@ -90,7 +113,7 @@ class SamplingBatch:
     def from_requests(cls, reqs: list[Request], vocab_size: int, eos_token_ids: set[int],
                       device: torch.device | str) -> "SamplingBatch":
         params = [r.params for r in reqs]
-        greedy = [p.temperature == 0 for p in params]
+        greedy = [p.greedy for p in params]
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             # A plain torch.tensor(..., device=cuda) waits for the device; a non-blocking copy does not.
@@ -105,6 +128,7 @@ class SamplingBatch:
             all_greedy=not sampled,
             **(_sampling_tensors(reqs, greedy, vocab_size, tensor) if sampled else {}),
             penalties=_build_penalties(reqs, tensor),
+            logit_bias=_build_logit_bias(reqs, tensor),
             blocked=_build_blocked(reqs, vocab_size, eos_token_ids, tensor),
             logprob_rows=tensor(logprob_idx, torch.int64) if logprob_idx else None,
             logprob_asks=[(i, params[i].logprobs) for i in logprob_idx],
@@ -122,7 +146,8 @@ def _sampling_tensors(reqs: list[Request], greedy: list[bool], vocab_size: int,
     seeds = [r.seed & 0xFFFFFFFFFFFFFFFF for r in reqs]  # two's complement for negative seeds
     return {
         "greedy": tensor(greedy, torch.bool),
-        "temperatures": tensor([1.0 if g else float(p.temperature) for p, g in zip(params, greedy)], torch.float32),
+        "temperatures": tensor([1.0 if g else min(float(p.temperature), _MAX_TEMPERATURE)
+                                for p, g in zip(params, greedy)], torch.float32),
         "seed_lo": tensor([s & _M32 for s in seeds], torch.int64),
         "seed_hi": tensor([s >> 32 for s in seeds], torch.int64),
         "positions": tensor([r.seq_len for r in reqs], torch.int64),
@@ -154,6 +179,19 @@ def _build_penalties(reqs: list[Request], tensor: _ToTensor) -> Penalties | None
         frequency=tensor([float(p.frequency_penalty) for p in params], torch.float32),
         presence=tensor([float(p.presence_penalty) for p in params], torch.float32),
     )
+
+
+def _build_logit_bias(reqs: list[Request], tensor: _ToTensor) -> LogitBias | None:
+    """The rows' logit_bias entries, or None when no row has one (the sampler then skips the stage)."""
+    rows, ids, values = [], [], []
+    for i, r in enumerate(reqs):
+        if r.params.logit_bias:
+            rows += [i] * len(r.params.logit_bias)
+            ids += r.params.logit_bias.keys()
+            values += r.params.logit_bias.values()
+    if not rows:
+        return None
+    return LogitBias(tensor(rows, torch.int64), tensor(ids, torch.int64), tensor(values, torch.float32))
 
 
 def _build_blocked(reqs: list[Request], vocab_size: int, eos_token_ids: set[int],
@@ -246,11 +284,13 @@ def keep_mask(probs: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Te
               min_ps: torch.Tensor | None) -> torch.Tensor | None:
     """Tokens surviving top-k, then top-p (on the top-k-renormalized mass), then min-p; None if no filter.
 
-    The most likely token always survives, so every row keeps a non-empty support.
+    The most likely token always survives, so every row keeps a non-empty support (even where a tiny
+    top_p, 1e-50, is 0 in float32).
     """
     keep = None
     if top_ks is not None or top_ps is not None:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # Stable: among equal probabilities the lowest id comes first, the token argmax (greedy) picks.
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
         rank = torch.arange(probs.shape[-1], device=probs.device)
         keep_sorted = torch.ones_like(sorted_p, dtype=torch.bool)
         if top_ks is not None:
@@ -259,9 +299,9 @@ def keep_mask(probs: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Te
         if top_ps is not None:
             cum = sorted_p.cumsum(dim=-1)
             mass_before = cum - sorted_p
-            # Keep a token while the mass strictly above it is below top_p; the top token has
-            # mass_before == 0 < top_p. Disabled rows hold inf so rounding can never drop a token.
-            keep_sorted = keep_sorted & (mass_before < top_ps[:, None] * cum[:, -1:])
+            # Keep a token while the mass strictly above it is below top_p, and the top token whatever
+            # top_p is. Disabled rows hold inf so rounding can never drop a token.
+            keep_sorted = keep_sorted & ((mass_before < top_ps[:, None] * cum[:, -1:]) | (rank[None, :] == 0))
         keep = torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
     if min_ps is not None:
         above = probs >= min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
@@ -354,13 +394,15 @@ class Sampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> PendingSample:
         """Sample one token per row of `logits` [B, V] (any float dtype; computed in float32).
 
-        Logprobs are log_softmax of the logits after penalties, min_new_tokens blocking and the
-        grammar mask, but before temperature and top-k/top-p/min-p: they describe the model, not the
-        sampling filter.
+        Logprobs are log_softmax of the logits after penalties, logit_bias, min_new_tokens blocking
+        and the grammar mask, but before temperature and top-k/top-p/min-p: they describe the
+        distribution the request asked to draw from, not the sampling filter.
         """
         logits = logits.float()
         if batch.penalties is not None:
             logits = batch.penalties.apply(logits)
+        if batch.logit_bias is not None:
+            logits = batch.logit_bias.apply(logits)
         if batch.blocked is not None:
             logits = logits.index_put(batch.blocked, logits.new_full((), float("-inf")))
         if batch.grammar_rows is not None:

@@ -21,6 +21,7 @@ from kestrel.server.structured import GRAMMAR_FIELDS, response_format_grammar, s
 from kestrel.server.tokenization import lone_surrogate
 
 MAX_N = 128  # OpenAI's limit on choices per request
+OPENAI_MAX_TEMPERATURE = 2.0  # OpenAI's and vLLM's; the native /generate keeps SGLang's (any >= 0)
 
 
 class _Body(BaseModel):
@@ -67,8 +68,9 @@ class _OpenAISampling(_Body):
     return_tokens_as_token_ids: bool | None = None
 
     def _check(self) -> None:
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.temperature is not None and not 0 <= self.temperature <= OPENAI_MAX_TEMPERATURE:
+            raise bad_request(f"temperature must be a number in [0, {OPENAI_MAX_TEMPERATURE:g}], got "
+                              f"{self.temperature!r}", "temperature")
         check_grammar(self.response_format, "response_format", "response_format")
         check_grammar(self.structured_outputs, "structured_outputs", "structured_outputs")
         if isinstance(self.structured_outputs, dict):
@@ -119,7 +121,8 @@ class _OpenAISampling(_Body):
             top_p=pick(self.top_p, 1.0), top_k=-1 if self.top_k in (None, 0) else self.top_k,  # vLLM: 0 = off
             min_p=pick(self.min_p, 0.0),
             frequency_penalty=pick(self.frequency_penalty, 0.0), presence_penalty=pick(self.presence_penalty, 0.0),
-            repetition_penalty=pick(self.repetition_penalty, 1.0), seed=self.seed, stop=self.stop,
+            repetition_penalty=pick(self.repetition_penalty, 1.0), logit_bias=logit_bias_ids(self.logit_bias),
+            seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens, logprobs=top_logprobs, prompt_logprobs=self.prompt_logprobs,
             **(self.grammar() if grammar is None else grammar))
@@ -218,6 +221,18 @@ def prompt_list(prompt: Any) -> tuple[list[str | list[int]], bool]:
 
 
 # ---- sampling parameters ------------------------------------------------------------------------
+def logit_bias_ids(raw: dict[str, float] | None) -> dict[int, float] | None:
+    """A JSON logit_bias (token ids as the object's keys, so strings) with int keys; 400 for a key that is
+    not a token id written in decimal. Ranges are SamplingParams.validate's."""
+    if raw is None:
+        return None
+    for key in raw:  # decimal digits, no leading zero, short enough for an int64 (and for int())
+        if not (key.isascii() and key.isdigit() and len(key) <= 18 and (key == "0" or key[0] != "0")):
+            raise bad_request(f"logit_bias keys must be token ids in decimal (\"50256\"), got {key[:40]!r}",
+                              "logit_bias")
+    return {int(key): bias for key, bias in raw.items()}
+
+
 ENGINE_PARAM_NAMES = [f.name for f in dataclasses.fields(SamplingParams) if f.init]
 
 
@@ -238,6 +253,7 @@ def _native_sampling_body() -> type[BaseModel]:
     types (so the two cannot drift apart), plus n."""
     hints = typing.get_type_hints(SamplingParams)
     fields: dict[str, Any] = {f.name: (hints[f.name], f.default) for f in dataclasses.fields(SamplingParams) if f.init}
+    fields["logit_bias"] = (dict[str, float] | None, None)  # JSON object keys are strings: logit_bias_ids
     return create_model("SamplingParamsBody", __base__=_Body, n=(int, Field(1, ge=1, le=MAX_N)), **fields)
 
 
@@ -263,6 +279,7 @@ def native_sampling_params(raw: dict[str, Any] | None,
         if problem := lone_surrogate(getattr(body, name), f"sampling_params.{name}"):
             raise bad_request(problem, name)
     fields = body.model_dump(exclude={"n"})
+    fields["logit_bias"] = logit_bias_ids(body.logit_bias)
     if logprobs is not None:
         fields["logprobs"] = logprobs
     return SamplingParams(**fields), body.n, raw.get("max_new_tokens")

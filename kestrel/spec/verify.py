@@ -4,7 +4,7 @@ Shared by every algorithm: the proposer (a draft model, or n-gram matching) give
 request; the target scores all its nodes in one forward with the tree mask; acceptance walks the tree
 (greedy, or the distribution-preserving rule for sampled requests); the accepted path's KV is kept and
 the other new slots are given back. Logprobs of the committed tokens come from the same logits, as the
-non-speculative sampler computes them (log-softmax before temperature and filters).
+non-speculative sampler computes them (log-softmax after logit_bias, before temperature and filters).
 """
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ def verify_tree(scheduler, runner, batch: ScheduledBatch, tree: DraftTree, conte
     batch.logits_at_all_tokens = True
     out = runner.forward(batch, DeviceInputs(input_ids=tree.tokens.flatten(), positions=positions))
     logits = out.logits.view(len(reqs), n, -1)
+    if sampling.logit_bias is not None:  # the same at every node: it does not depend on the tokens before
+        logits = sampling.logit_bias.apply(logits)
     if sampling.all_greedy and greedy_graphs is not None and greedy_graphs.can_run(len(reqs)):
         acc = Acceptance(*greedy_graphs(tree.tokens, tree.parents, logits.argmax(-1)))
     else:

@@ -304,6 +304,69 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_offline_engine(client, http
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprob_start_len"
 
 
+def test_logit_bias_forces_and_bans_tokens_against_the_unbiased_greedy_run(client, http, offline):
+    prompt = "def fibonacci(n):"
+
+    def native(bias: dict | None, max_new_tokens: int = 5) -> dict:
+        sampling = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, "logit_bias": bias}
+        return http.post("/generate", json={"text": prompt, "sampling_params": sampling, "return_logprob": True,
+                                            "top_logprobs_num": 2}).json()
+
+    unbiased = native(None)
+    ids = unbiased["output_ids"]
+    runner_up = unbiased["meta_info"]["output_top_logprobs"][0][1][1]
+    forced = next(t for t in offline.tokenizer.encode(" return a + b") if t not in ids and t != runner_up)
+    # +100: every token is the forced one, on all three routes (greedy included).
+    assert native({str(forced): 100})["output_ids"] == [forced] * 5
+    text = http.post("/generate", json={"text": "x", "sampling_params": {
+        "max_new_tokens": 5, "temperature": 0, "ignore_eos": True, "logit_bias": {str(forced): 100}}}).json()["text"]
+    out = client.completions.create(prompt=prompt, logit_bias={str(forced): 100}, **greedy(5))
+    assert out.choices[0].text == text
+    chat = client.chat.completions.create(messages=MESSAGES, logit_bias={str(forced): 100}, **greedy(5))
+    assert chat.choices[0].message.content == text
+    sampled = client.completions.create(prompt=prompt, model=NAME, max_tokens=5, temperature=1.0, seed=1,
+                                        logit_bias={str(forced): 100}, extra_body=IGNORE_EOS)
+    assert sampled.choices[0].text == text
+    # -100 on the greedy token: the runner-up of the unbiased run comes first; logprobs are the biased ones.
+    banned = native({str(ids[0]): -100})
+    assert banned["output_ids"][0] == runner_up and ids[0] not in banned["output_ids"]
+    top = banned["meta_info"]["output_top_logprobs"][0]
+    assert top[0][1] == runner_up and top[0][0] > unbiased["meta_info"]["output_top_logprobs"][0][1][0]
+    out = client.completions.create(prompt=prompt, logit_bias={str(ids[0]): -100}, **greedy(5))
+    assert out.choices[0].text == banned["text"] != unbiased["text"]
+
+
+def test_extreme_sampling_values_are_greedy_or_a_400(client, http):
+    prompt = "import torch"
+    want = client.completions.create(prompt=prompt, **greedy(6)).choices[0].text
+    for extreme in (dict(temperature=1e-38), dict(temperature=1e-320), dict(temperature=5e-324),
+                    dict(top_p=1e-50, temperature=1.0, seed=3), dict(top_p=5e-324, temperature=2.0, seed=4)):
+        out = client.completions.create(prompt=prompt, model=NAME, max_tokens=6, extra_body=IGNORE_EOS, **extreme)
+        assert out.choices[0].text == want, extreme
+    native = http.post("/generate", json={"text": prompt, "sampling_params": {
+        "max_new_tokens": 6, "temperature": 1e-38, "ignore_eos": True}}).json()
+    assert native["text"] == want
+    # /generate keeps SGLang's rule (any temperature >= 0): 5 and 1e308 sample valid tokens.
+    for temperature in (5, 1e308):
+        out = http.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {
+            "max_new_tokens": 6, "temperature": temperature, "seed": 2, "ignore_eos": True}}).json()
+        assert len(out["output_ids"]) == 6 and all(0 <= t < 512 for t in out["output_ids"]), out
+    chat = {"messages": MESSAGES, "max_tokens": 2}
+    for body, param in [({"temperature": 5}, "temperature"), ({"temperature": 2.000001}, "temperature"),
+                        ({"repetition_penalty": 1e-40}, "repetition_penalty"),
+                        ({"repetition_penalty": 0}, "repetition_penalty"),
+                        ({"repetition_penalty": 2.5}, "repetition_penalty"),
+                        ({"logit_bias": {"512": 1}}, "logit_bias"), ({"logit_bias": {"7": 100.5}}, "logit_bias"),
+                        ({"logit_bias": {"seven": 1}}, "logit_bias"), ({"logit_bias": {"07": 1}}, "logit_bias")]:
+        for path, base in (("/v1/completions", {"prompt": prompt, "max_tokens": 2}), ("/v1/chat/completions", chat)):
+            r = http.post(path, json={**base, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+        if "temperature" not in body:
+            r = http.post("/generate", json={"text": prompt, "sampling_params": body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    assert client.completions.create(prompt=prompt, **{**greedy(2), "temperature": 2}).usage.completion_tokens == 2
+
+
 def test_models_health_and_native_generate(client, http, offline):
     assert [m.id for m in client.models.list().data] == [NAME, ALIAS]
     assert http.get("/health").status_code == 200

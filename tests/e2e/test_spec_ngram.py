@@ -55,3 +55,26 @@ def test_ngram_samples_reproducibly_and_refuses_penalties(tiny_model):
                                                             sampling_params=params)]
         with pytest.raises(ValueError, match="penalties and min_new_tokens are not supported"):
             spec.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(presence_penalty=0.5))
+
+
+def test_ngram_applies_logit_bias_in_the_verify(tiny_model):
+    """logit_bias changes the target's distribution at every node alike, so speculation applies it in the
+    verify: greedy equals plain greedy with the same bias, and a +100 bias forces sampled tokens."""
+    model, prompts = tiny_model("llama"), repetitive_prompts()
+    common = dict(device="cpu", dtype="float32", max_total_tokens=1024)
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    with Engine(model=model, **common) as plain:
+        unbiased = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=greedy)]
+        frequent = max(range(plain.vocab_size), key=lambda t: sum(ids.count(t) for ids in unbiased))
+        greedy.logit_bias = {frequent: -100.0, frequent + 1: 2.0}
+        want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=greedy)]
+    assert want != unbiased and all(frequent not in ids for ids in want)
+    forced = [SamplingParams(max_new_tokens=10, temperature=0.8, seed=s, ignore_eos=True, logit_bias={42: 100.0})
+              for s in range(3)]
+    with Engine(model=model, speculative_algorithm="NGRAM", speculative_num_steps=4, speculative_eagle_topk=1,
+                speculative_num_draft_tokens=5, **common) as spec:
+        assert [o.token_ids for o in spec.generate(prompt_token_ids=prompts, sampling_params=greedy)] == want
+        assert max(spec.spec_worker.accept_lengths) > 1  # drafts were accepted: the verify really ran
+        outs = spec.generate(prompt_token_ids=prompts[:3], sampling_params=forced)
+        assert all(o.token_ids == [42] * 10 for o in outs)
+        assert_pool_full(spec)

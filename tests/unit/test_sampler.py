@@ -264,3 +264,61 @@ def test_triton_argmax_sampler_gives_the_same_tokens():
     reqs = [req(i, temperature=0.0 if i % 2 else 0.9, top_k=50) for i in range(3)]
     batch = SamplingBatch.from_requests(reqs, logits.shape[-1], {EOS}, "cpu")
     assert Sampler(triton_argmax=True)(logits[:3], batch).token_ids == sampler(logits[:3], batch).token_ids
+
+
+def test_logit_bias_is_added_to_the_logits_of_its_row_for_greedy_and_sampled_rows():
+    logits = random_logits(4, 40, seed=3)
+    low, best = int(logits[0].argmin()), int(logits[1].argmax())
+    reqs = [req(1, temperature=0.0, logit_bias={low: 100.0}, logprobs=2),  # forces the worst token
+            req(2, temperature=0.0, logit_bias={best: -100.0, 7: 0.5}, logprobs=2),  # bans the best one
+            req(3, temperature=0.9, logit_bias={low: 100.0}),
+            req(4, temperature=0.0, logprobs=2)]  # no bias: untouched by its neighbours'
+    out = sample(logits, reqs, eos=set())
+    biased = logits.clone()
+    biased[0, low] += 100.0
+    biased[1, best] -= 100.0
+    biased[1, 7] += 0.5
+    assert out.token_ids[:2] == biased[:2].argmax(-1).tolist()
+    assert out.token_ids[0] == low and out.token_ids[1] != best
+    assert out.token_ids[2] == low  # e**-100 leaves the others no chance
+    assert out.token_ids[3] == int(logits[3].argmax())
+    # Logprobs describe the biased logits, as penalties and blocking are included in them.
+    ref = torch.log_softmax(biased, -1)
+    for row in (0, 1, 3):
+        assert out.logprobs[row] == pytest.approx(ref[row, out.token_ids[row]].item(), abs=1e-5)
+        assert [t for t, _ in out.top_logprobs[row]] == ref[row].topk(2).indices.tolist()
+
+
+def test_logit_bias_cannot_lift_a_blocked_token_and_follows_penalties():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 0.5]])
+    # EOS (3) is blocked by min_new_tokens: +100 cannot bring it back.
+    blocked = req(output=[0], temperature=0.0, min_new_tokens=2, logit_bias={EOS: 100.0})
+    assert sample(logits, [blocked]).token_ids == [2]
+    # Penalty first (2 / 2 = 1), then the bias: 1 + 0.75 beats token 1 (1.0) and token 4 (0.5).
+    r = req(output=[2], temperature=0.0, repetition_penalty=2.0, logit_bias={2: 0.75, EOS: -100.0})
+    assert sample(logits, [r]).token_ids == [2]
+
+
+def test_logit_bias_applies_at_every_node_of_a_verify():
+    """A verify's logits [B, n, V]: each row's bias at each of its n positions (same as n single steps)."""
+    from kestrel.engine.sampler import LogitBias
+
+    logits = torch.randn(3, 4, 10, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    bias = LogitBias(torch.tensor([0, 0, 2]), torch.tensor([1, 9, 1]), torch.tensor([5.0, -3.0, 2.5]))
+    got = bias.apply(logits)
+    want = logits.float().clone()
+    want[0, :, 1] += 5.0
+    want[0, :, 9] -= 3.0
+    want[2, :, 1] += 2.5
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert torch.equal(bias.apply(logits[:, 0]), want[:, 0])
+
+
+@pytest.mark.parametrize("bias,message", [({50: 1.0}, "50 is not a token id"), ({-1: 1.0}, "-1 is not a token id"),
+                                          ({"5": 1.0}, "'5' is not a token id"), ({5: 100.5}, "token 5 has 100.5"),
+                                          ({5: math.nan}, "token 5 has nan"), ([5], "got list")])
+def test_logit_bias_outside_the_vocabulary_or_range_is_refused(bias, message):
+    with pytest.raises(ValueError, match=r"^logit_bias must be a map from token ids in \[0, 50\) to numbers in "
+                                         r"\[-100, 100\].*" + message.replace("[", r"\[")):
+        SamplingParams(logit_bias=bias).validate(vocab_size=50)
+    SamplingParams(logit_bias={0: -100, 49: 100.0}).validate(vocab_size=50)
