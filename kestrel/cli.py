@@ -41,7 +41,7 @@ HELP = {
     "grammar_compile_timeout": "seconds a structured-output request waits for its grammar to compile (off the "
                                "engine loop) before it fails with a 400 (default: 30)",
     "grammar_max_length": "longest grammar text (JSON schema, regex, EBNF, structural tag) compiled, in characters; "
-                          "a longer one is a 400 (default: 1000000)",
+                          "a longer one is a 400 (default: 200000)",
     "tp_size": "tensor-parallel ranks: one process (and GPU) each, the model's heads, MLP and vocabulary split "
                "over them (docs/parallelism.md)",
     "ep_size": "ranks the routed experts of a MoE model (DeepSeek-V4) are split over: 1 or --tp-size",

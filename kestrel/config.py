@@ -58,7 +58,7 @@ class SchedulerConfig:
     # Structured outputs: a request waits (unscheduled) while its grammar compiles off the engine loop;
     # past this many seconds it fails (a 400 from the server). Longer grammar texts are refused at once.
     grammar_compile_timeout: float = 30.0
-    grammar_max_length: int = 1_000_000
+    grammar_max_length: int = 200_000
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 GRAMMAR_CACHE_SIZE = 256
 # xgrammar's messages start with "[hh:mm:ss] /path/to/file.cc:123: "; the rest is what a user needs.
 _LOCATION = re.compile(r"^\[[0-9:]+\] [^ ]+:\d+: (Check failed: .*? is false: )?")
-# The compile thread runs at a lower CPU priority than the engine loop (Linux nice values are per
+COMPILE_THREADS = 2
+# The compile threads run at a lower CPU priority than the engine loop (Linux nice values are per
 # thread): on a machine with few cores a long compile then slows the running requests' steps little.
 _COMPILE_NICENESS = 10
 
@@ -42,10 +43,14 @@ _COMPILE_NICENESS = 10
 class GrammarLimits:
     """What one grammar may cost: a longer text is refused before compiling; a request whose grammar
     has not compiled `compile_timeout` seconds after it was added fails (the compile itself goes on,
-    and its result serves later requests from the cache)."""
+    as xgrammar cannot stop one, and its result serves later requests from the cache).
+
+    200,000 characters hold OpenAI's own limits on a schema (120,000 characters of names and enum
+    values); xgrammar's compile time grows faster than linearly with an enum's size (20,000 values,
+    289 KB: 8.7 s on one core of the test machine)."""
 
     compile_timeout: float = 30.0
-    max_length: int = 1_000_000
+    max_length: int = 200_000
 
 
 class GrammarError(ValueError):
@@ -78,9 +83,10 @@ class GrammarBackend:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=sorted(stop_token_ids))
         # Our cache is the one that counts (hits are visible, size bounded); xgrammar's would be a second.
-        # One compile thread, one xgrammar thread inside it: compiles queue, and the cores stay the model's.
+        # One xgrammar thread per compile, COMPILE_THREADS compiles at once: the cores stay the model's,
+        # and a grammar that compiles for long (past its timeout even) does not hold up the others.
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kestrel-grammar",
+        self._pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="kestrel-grammar",
                                         initializer=_lower_priority)
         self.cache_size = cache_size
         # Futures of CompiledGrammar (or of the GrammarError a bad grammar raises), done or under way:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import httpx
 import jsonschema
@@ -197,6 +199,38 @@ def test_tool_choice_and_a_response_format_cannot_both_constrain(http):
     answer = http.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
                                                      "response_format": {"type": "json_object"}})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "tool_choice"
+
+
+def test_a_long_compile_stalls_no_other_request_and_is_compiled_once(client, http):
+    """A schema that compiles for seconds (a long enum) waits alone: a plain request sent meanwhile
+    answers at its usual speed. Asked again, the schema comes from the cache."""
+    schema = {"type": "object", "properties": {"v": {"enum": [f"value-{i}" for i in range(12000)]}},
+              "required": ["v"]}
+    timings: dict[str, float] = {}
+
+    def constrained(label: str) -> None:
+        start = time.monotonic()
+        out = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=60,
+                                             response_format=response_format(schema))
+        jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+        timings[label] = time.monotonic() - start
+
+    def plain() -> float:
+        start = time.monotonic()
+        http.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 3}}).raise_for_status()
+        return time.monotonic() - start
+
+    alone = min(plain() for _ in range(3))
+    first = threading.Thread(target=constrained, args=("first",))
+    first.start()
+    time.sleep(0.3)  # the compile has started
+    during = plain()
+    first.join()
+    constrained("again")
+    # Old engine: the plain request waits out the compile (~the whole first request).
+    assert during < max(10 * alone, timings["first"] / 4), (alone, during, timings)
+    assert timings["again"] < timings["first"] / 2, timings
+    wait_idle(http)
 
 
 def test_an_unknown_tool_call_parser_fails_at_start_up(model, capsys):
