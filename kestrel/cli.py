@@ -131,7 +131,7 @@ def _explain(args: argparse.Namespace) -> int:
 
 BENCHES = {"one-batch": "kestrel.bench.one_batch", "offline": "kestrel.bench.offline",
            "serving": "kestrel.bench.serving", "closed-loop": "kestrel.bench.closed_loop",
-           "perplexity": "kestrel.bench.perplexity"}
+           "perplexity": "kestrel.bench.perplexity", "grammar": "kestrel.bench.grammar"}
 
 
 def configure_logging(level: str | None) -> None:

@@ -220,3 +220,14 @@ def test_a_grammar_past_the_compile_timeout_fails_its_request_only(model):
             e.add_request(PROMPT, sampling_params=SamplingParams(regex="a" * 200_001))
         assert re.fullmatch("[0-9]+", e.generate(PROMPT, SamplingParams(max_new_tokens=4, regex="[0-9]+"))[0].text)
         assert_pool_full(e)
+
+
+def test_the_grammar_bench_runs_its_smoke_setting(model, tmp_path):
+    from kestrel.bench import grammar as bench
+
+    out = tmp_path / "grammar.json"
+    bench.main(["--model", model, "--device", "cpu", "--smoke", "--grammar", "json", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["workload"]["batch_size"] == 4 and result["steps_timed"]["plain"] > 0
+    assert result["mask"]["steps"] > 0 and result["mask"]["mask_ms"] > 0
+    assert result["mask_share_of_step"] == result["mask"]["mask_ms"] / result["step_ms"]["plain"]
