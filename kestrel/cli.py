@@ -42,6 +42,10 @@ HELP = {
     "speculative_disable_batch_size": "stop speculating above this many running requests (default 32)",
     "speculative_draft_attention_backend": "one attention backend for every phase of the draft model",
     "speculative_attention_mode": "prefill or decode: which half serves TARGET_VERIFY and DRAFT_EXTEND",
+    "grammar_compile_timeout": "seconds a structured-output request waits for its grammar to compile (off the "
+                               "engine loop) before it fails with a 400 (default: 30)",
+    "grammar_max_length": "longest grammar text (JSON schema, regex, EBNF, structural tag) compiled, in characters; "
+                          "a longer one is a 400 (default: 200000)",
     "tp_size": "tensor-parallel ranks: one process (and GPU) each, the model's heads, MLP and vocabulary split "
                "over them (docs/parallelism.md)",
     "ep_size": "ranks the routed experts of a MoE model (DeepSeek-V4) are split over: 1 or --tp-size",
@@ -158,7 +162,7 @@ def _explain(args: argparse.Namespace) -> int:
 
 BENCHES = {"one-batch": "kestrel.bench.one_batch", "offline": "kestrel.bench.offline",
            "serving": "kestrel.bench.serving", "closed-loop": "kestrel.bench.closed_loop",
-           "perplexity": "kestrel.bench.perplexity"}
+           "perplexity": "kestrel.bench.perplexity", "grammar": "kestrel.bench.grammar"}
 
 
 def configure_logging(level: str | None) -> None:

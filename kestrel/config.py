@@ -57,6 +57,10 @@ class SchedulerConfig:
     # the exact peak for requests that must run to max_new_tokens (ignore_eos, no stop condition), and
     # (max_new_tokens - generated) x a ratio that starts at 0.7 and decays for the others.
     schedule_conservativeness: float = 1.0
+    # Structured outputs: a request waits (unscheduled) while its grammar compiles off the engine loop;
+    # past this many seconds it fails (a 400 from the server). Longer grammar texts are refused at once.
+    grammar_compile_timeout: float = 30.0
+    grammar_max_length: int = 200_000
 
 
 @dataclass(frozen=True)
@@ -236,6 +240,10 @@ class EngineConfig:
         s = self.scheduler
         if s.max_running_requests is not None and s.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {s.max_running_requests}")
+        if not s.grammar_compile_timeout > 0:  # also catches NaN
+            raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {s.grammar_compile_timeout}")
+        if s.grammar_max_length < 1:
+            raise ValueError(f"grammar_max_length must be >= 1 characters, got {s.grammar_max_length}")
         if s.schedule_conservativeness < 0:
             raise ValueError(f"schedule_conservativeness must be >= 0, got {s.schedule_conservativeness}")
         chunk = s.chunked_prefill_size

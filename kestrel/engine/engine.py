@@ -7,6 +7,8 @@ import logging
 import numbers
 import random
 import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -21,7 +23,7 @@ from kestrel.core.request import Request
 from kestrel.core.sampling_params import SamplingParams, UnsupportedParamError
 from kestrel.engine import prompt_logprobs
 from kestrel.engine.detokenizer import OutputText
-from kestrel.engine.grammar import GrammarBackend, GrammarState
+from kestrel.engine.grammar import GrammarBackend, GrammarLimits, GrammarState
 from kestrel.engine.sampler import PendingSample, Sampler, SamplingBatch, sampled_logits
 from kestrel.engine.scheduler import Scheduler
 from kestrel.engine.tokenizer import eos_token_ids, load_tokenizer
@@ -34,6 +36,10 @@ from kestrel.spec.draft_worker import DraftWorker
 from kestrel.spec.ngram_worker import NgramWorker
 
 logger = logging.getLogger(__name__)
+
+# A step with nothing to run but grammars compiling waits this long for one of them (then returns, so
+# a caller such as the server's loop can take new requests in).
+GRAMMAR_WAIT_S = 0.02
 
 
 @dataclass
@@ -112,6 +118,7 @@ class Engine:
         self._inflight: _Launched | None = None  # launched batch whose sampled tokens are not applied yet
         self._step_hooks: list[Callable[[StepInfo], None]] = []
         self.grammars: GrammarBackend | None = None  # made by the first request with a grammar
+        self._compiling: list[Request] = []  # added, not scheduled: waiting for their grammar to compile
         self.spec_worker: NgramWorker | DraftWorker | None = None
         if spec.speculative_algorithm == "NGRAM":
             self.spec_worker = NgramWorker(self.scheduler, self.runner, spec.speculative_num_steps,
@@ -175,11 +182,40 @@ class Engine:
             self._texts[rid] = OutputText(self.tokenizer, ids, params)
         if params.max_new_tokens == 0 and params.prompt_logprobs is None:
             self.scheduler.finish(req, "length")
-        elif grammar is not None and grammar.ended():  # a grammar of the empty string only
+        elif grammar is not None and grammar.waiting:
+            self._compiling.append(req)
+        else:
+            self._queue(req)
+        return rid
+
+    def _queue(self, req: Request) -> None:
+        """Hand a request whose grammar (if any) is compiled to the scheduler."""
+        if req.grammar is not None and req.grammar.ended():  # a grammar of the empty string only
             self.scheduler.finish(req, "stop")
         else:
             self.scheduler.add(req)
-        return rid
+
+    def _admit_compiled(self) -> list[Request]:
+        """Queue the requests whose grammar has compiled, and finish with "error" those whose grammar
+        failed or timed out (returned, with `req.grammar.error` set, so the server answers 400). With
+        nothing else to run, first wait a little for a compile (no busy loop while one runs)."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_work() and self._inflight is None:
+            wait_futures([r.grammar.compiled for r in self._compiling], GRAMMAR_WAIT_S, FIRST_COMPLETED)
+        failed, still = [], []
+        for req in self._compiling:
+            if not req.grammar.poll():
+                still.append(req)
+            elif req.grammar.error is not None:
+                self.scheduler.finish(req, "error", error=str(req.grammar.error))
+                failed.append(req)
+            else:
+                self._queue(req)
+                if req.finished:
+                    failed.append(req)  # ended at once: reported like a failure, with its reason "stop"
+        self._compiling = still
+        return failed
 
     @staticmethod
     def _check_speculative(params: SamplingParams) -> None:
@@ -209,19 +245,26 @@ class Engine:
         if self.tokenizer is None:
             raise ValueError(f"{params.grammar[0]} needs a tokenizer to compile against; this model folder has none")
         if self.grammars is None:
+            sched = self.config.scheduler
+            limits = GrammarLimits(sched.grammar_compile_timeout, sched.grammar_max_length)
             try:
-                self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+                self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, limits)
             except Exception as e:  # xgrammar cannot read this tokenizer: no grammar can be served
                 raise ValueError(f"{params.grammar[0]} cannot be served: xgrammar does not take this model's "
                                  f"tokenizer ({type(e).__name__}: {e})") from e
         return self.grammars.state(params)
 
     def abort(self, rid: str) -> bool:
+        for req in self._compiling:
+            if req.rid == rid:
+                self._compiling.remove(req)
+                self.scheduler.finish(req, "abort")
+                return True
         return self.scheduler.abort(rid) is not None
 
     # ---- the loop ------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._inflight is not None
+        return self.scheduler.has_work() or self._inflight is not None or bool(self._compiling)
 
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that got a token or finished in this step, each once.
@@ -243,7 +286,7 @@ class Engine:
         go on; `shutdown()` still works.
         """
         start = time.perf_counter()
-        done: list[Request] = []
+        done: list[Request] = self._admit_compiled()
         batch: ScheduledBatch | None = None
         if self.ranks is not None:
             self.ranks.check()
@@ -309,7 +352,8 @@ class Engine:
         sched, alloc = self.scheduler, self.kv_memory.allocator
         evictable = self.radix.evictable_size()
         return EngineStats(
-            num_running=len(sched.running) + (sched.chunked is not None), num_waiting=len(sched.waiting),
+            num_running=len(sched.running) + (sched.chunked is not None),
+            num_waiting=len(sched.waiting) + len(self._compiling),
             num_used_tokens=alloc.size - alloc.available_size() - evictable, num_evictable_tokens=evictable,
             max_total_tokens=alloc.size, num_retractions=sched.num_retractions)
 
@@ -552,10 +596,18 @@ class Engine:
                 self.abort(rid)
                 self.pop(rid)
             raise
+        reqs = [self._reqs[rid] for rid in rids]
         with progress_bar(len(rids), "Processed prompts", "prompt", enabled=use_tqdm) as bar:
-            while (done := sum(self._reqs[rid].finished for rid in rids)) < len(rids):
+            while (done := sum(r.finished for r in reqs)) < len(rids):
                 bar.update(done - bar.n)
                 self.step()
+                # A grammar that fails to compile (or in time) rejects the whole call, as a bad prompt does.
+                rejected = next((r.grammar.error for r in reqs if r.grammar is not None and r.grammar.error), None)
+                if rejected is not None:
+                    for rid in rids:
+                        self.abort(rid)
+                        self.pop(rid)
+                    raise rejected
             bar.update(done - bar.n)
         return [self.output(self.pop(rid)) for rid in rids]
 
@@ -601,6 +653,8 @@ class Engine:
         self._inflight = None
         for rid in list(self._reqs):
             self.abort(rid)
+        if self.grammars is not None:
+            self.grammars.shutdown()
         self._reqs.clear()
         self._texts.clear()
         self._streamed.clear()

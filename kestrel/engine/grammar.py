@@ -1,9 +1,10 @@
 """Structured outputs: grammars compiled by xgrammar, a matcher per request, token masks for the sampler.
 
 A request's constraint (`SamplingParams.grammar`: JSON schema, regex, EBNF or structural tag) is
-compiled once per (kind, text) against the engine's vocabulary and kept in an LRU cache; each
-request gets its own `GrammarState`, a matcher that accepts the request's tokens as they resolve
-on the host. Before a grammar request is sampled, its matcher fills the row of allowed tokens into
+compiled once per (kind, text) against the engine's vocabulary, on a background thread (xgrammar
+releases the GIL while it compiles), and kept in an LRU cache; each request gets its own
+`GrammarState`, which waits for the compile (the engine does not schedule the request meanwhile) and
+then holds a matcher that accepts the request's tokens as they resolve on the host. Before a grammar request is sampled, its matcher fills the row of allowed tokens into
 a bitmask (int32, one bit per token of the model's vocabulary, padding ids past the tokenizer's
 never allowed) that the sampler applies on the device.
 
@@ -12,8 +13,13 @@ is a stop token: it does not wait for the model to sample EOS.
 """
 from __future__ import annotations
 
+import os
 import re
+import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +33,24 @@ if TYPE_CHECKING:
 GRAMMAR_CACHE_SIZE = 256
 # xgrammar's messages start with "[hh:mm:ss] /path/to/file.cc:123: "; the rest is what a user needs.
 _LOCATION = re.compile(r"^\[[0-9:]+\] [^ ]+:\d+: (Check failed: .*? is false: )?")
+COMPILE_THREADS = 2
+# The compile threads run at a lower CPU priority than the engine loop (Linux nice values are per
+# thread): on a machine with few cores a long compile then slows the running requests' steps little.
+_COMPILE_NICENESS = 10
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """What one grammar may cost: a longer text is refused before compiling; a request whose grammar
+    has not compiled `compile_timeout` seconds after it was added fails (the compile itself goes on,
+    as xgrammar cannot stop one, and its result serves later requests from the cache).
+
+    200,000 characters hold OpenAI's own limits on a schema (120,000 characters of names and enum
+    values); xgrammar's compile time grows faster than linearly with an enum's size (20,000 values,
+    289 KB: 8.7 s on one core of the test machine)."""
+
+    compile_timeout: float = 30.0
+    max_length: int = 200_000
 
 
 class GrammarError(ValueError):
@@ -50,17 +74,24 @@ class GrammarBackend:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int],
-                 cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
+                 limits: GrammarLimits = GrammarLimits(), cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
         import xgrammar as xgr  # here: only engines that serve a grammar request pay for the import
 
         self._xgr = xgr
         self.vocab_size = vocab_size
+        self.limits = limits
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=sorted(stop_token_ids))
         # Our cache is the one that counts (hits are visible, size bounded); xgrammar's would be a second.
-        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
+        # One xgrammar thread per compile, COMPILE_THREADS compiles at once: the cores stay the model's,
+        # and a grammar that compiles for long (past its timeout even) does not hold up the others.
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self._pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="kestrel-grammar",
+                                        initializer=_lower_priority)
         self.cache_size = cache_size
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()  # CompiledGrammar or GrammarError
+        # Futures of CompiledGrammar (or of the GrammarError a bad grammar raises), done or under way:
+        # a grammar asked for again while it compiles waits for the same compile.
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self.hits = 0
         self.misses = 0
         self._batch_matcher = xgr.BatchGrammarMatcher()
@@ -70,26 +101,30 @@ class GrammarBackend:
         self._not_stop = ~stops  # bits of every token that is not a stop token
 
     # ---- compiling ---------------------------------------------------------------------------
-    def compile(self, kind: str, text: str) -> "xgrammar.CompiledGrammar":
-        """The compiled grammar of (kind, text), from the cache when it was seen before (a grammar that
-        failed to compile fails again from the cache). Raises GrammarError with the compiler's message."""
+    def compile(self, kind: str, text: str) -> Future:
+        """The compile of (kind, text): from the cache when it was asked for before (a grammar that
+        failed to compile fails again from the cache), else started on the compile thread. The
+        future's result is the CompiledGrammar; it raises GrammarError with the compiler's message.
+        Raises GrammarError at once for a text over `limits.max_length`."""
         key = (kind, text)
         if key in self._cache:
             self.hits += 1
             self._cache.move_to_end(key)
-            found = self._cache[key]
-        else:
-            self.misses += 1
-            try:
-                found = self._compile(kind, text)
-            except Exception as e:  # xgrammar raises RuntimeError (and pydantic/JSON errors) for bad input
-                found = GrammarError(kind, _compiler_message(e))
-            self._cache[key] = found
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        if isinstance(found, GrammarError):
-            raise found
+            return self._cache[key]
+        if len(text) > self.limits.max_length:
+            raise GrammarError(kind, f"it is {len(text)} characters long; at most {self.limits.max_length} are "
+                                     f"compiled (grammar_max_length)")
+        self.misses += 1
+        found = self._cache[key] = self._pool.submit(self._compile_or_error, kind, text)
+        if len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
         return found
+
+    def _compile_or_error(self, kind: str, text: str) -> "xgrammar.CompiledGrammar":
+        try:
+            return self._compile(kind, text)
+        except Exception as e:  # xgrammar raises RuntimeError (and pydantic/JSON errors) for bad input
+            raise GrammarError(kind, _compiler_message(e)) from None
 
     def _compile(self, kind: str, text: str) -> "xgrammar.CompiledGrammar":
         if kind == "json_schema":
@@ -105,11 +140,21 @@ class GrammarBackend:
         raise ValueError(f"unknown grammar kind {kind!r}")
 
     def state(self, params: SamplingParams) -> "GrammarState | None":
-        """A fresh matcher for the request's grammar, or None if it has none. Raises GrammarError."""
+        """The request's grammar state (its matcher once compiled), or None if it has none. Raises
+        GrammarError when the grammar is known to fail already (too long, or failed before)."""
         grammar = params.grammar
         if grammar is None:
             return None
-        return GrammarState(self._xgr.GrammarMatcher(self.compile(*grammar)), self)
+        state = GrammarState(grammar[0], self.compile(*grammar), self,
+                             time.monotonic() + self.limits.compile_timeout)
+        state.poll()
+        if state.error is not None:
+            raise state.error
+        return state
+
+    def shutdown(self) -> None:
+        """Forget compiles not started yet; one under way finishes on its own (xgrammar cannot stop it)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- masks ---------------------------------------------------------------------------------
     def fill(self, states: list["GrammarState"]) -> torch.Tensor:
@@ -123,17 +168,53 @@ class GrammarBackend:
         return not bool((row & self._not_stop).any())
 
 
+def _lower_priority() -> None:
+    if hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _COMPILE_NICENESS)
+        except OSError:  # not allowed here: compiling at the loop's priority is still correct
+            pass
+
+
 def _bit(i: int) -> int:
     """Bit i of an int32 word, as the signed value torch stores (bit 31 is the sign)."""
     return (1 << i) - (1 << 32 if i == 31 else 0)
 
 
 class GrammarState:
-    """One request's matcher. It accepts exactly the request's resolved output tokens, in order."""
+    """One request's grammar: compiling until `poll()` says it is ready (or failed: `error`), then a
+    matcher that accepts exactly the request's resolved output tokens, in order."""
 
-    def __init__(self, matcher: "xgrammar.GrammarMatcher", backend: GrammarBackend) -> None:
-        self.matcher = matcher
+    def __init__(self, kind: str, compiled: Future, backend: GrammarBackend, deadline: float) -> None:
+        self.kind = kind
+        self.compiled = compiled
         self.backend = backend
+        self.deadline = deadline  # time.monotonic() past which the request stops waiting for the compile
+        self.matcher: "xgrammar.GrammarMatcher | None" = None
+        self.error: GrammarError | None = None
+
+    @property
+    def waiting(self) -> bool:
+        """Still compiling: neither a matcher nor an error yet."""
+        return self.matcher is None and self.error is None
+
+    def poll(self) -> bool:
+        """Whether the wait is over: the matcher is made, or `error` is set (the compile failed, or the
+        deadline passed first)."""
+        if not self.waiting:
+            return True
+        if self.compiled.done():
+            try:
+                self.matcher = self.backend._xgr.GrammarMatcher(self.compiled.result())
+            except GrammarError as e:
+                self.error = e
+            return True
+        if time.monotonic() > self.deadline:
+            limit = self.backend.limits.compile_timeout
+            self.error = GrammarError(self.kind, f"it did not compile within {limit:g} s (grammar_compile_timeout); "
+                                                 f"simplify it (a long enum or deeply nested schema compiles slowly)")
+            return True
+        return False
 
     def accept(self, token: int) -> bool:
         return self.matcher.accept_token(token)

@@ -3,6 +3,10 @@
 The loop blocks on its inbox while the engine has no work (no busy spin) and steps while it has
 some, draining the inbox between steps so new requests join the next batch and aborts free KV at
 once. It exits on `Shutdown` or when the HTTP process goes away (end of file on the inbox).
+
+A group whose grammar still compiles (off the loop, see kestrel.engine.grammar) gets its `Admission`
+only once every grammar of it has compiled, or a 400 if one failed or timed out: the HTTP side
+answers no status (a stream sends no headers) before the request is known to run.
 """
 from __future__ import annotations
 
@@ -69,6 +73,8 @@ class EngineLoop:
         self.outbox = outbox
         self.last_stats = 0.0
         self.stats_sent_idle = False
+        self.compiling: dict[str, list[str]] = {}  # group -> its rids, while a grammar of it compiles
+        self.rejected: list[str] = []  # aborted with their group's grammar: reported (and forgotten) next step
 
     def run(self) -> None:
         try:
@@ -96,7 +102,7 @@ class EngineLoop:
                 self._send_stats()
                 self.stats_sent_idle = True
             messages = self._receive(block=idle)
-            touched: list[str] = []
+            touched, self.rejected = self.rejected, []
             for msg in messages:
                 if isinstance(msg, AddRequests):
                     touched += self._add(msg)
@@ -130,6 +136,7 @@ class EngineLoop:
         except Exception as e:  # noqa: BLE001
             logger.exception("the engine step failed outside its forward; every request finishes with an error")
             news = engine.fail_all(e)
+        news = self._admit_compiled(news)
         deltas = []
         for req, start in news:
             try:
@@ -168,12 +175,43 @@ class EngineLoop:
             logger.exception("add_request failed")
             error, status, param = f"internal error while adding the request: {type(e).__name__}: {e}", 500, None
         else:
-            self.outbox.send(Admission(msg.group))
+            if any(self._compiling(rid) for rid in added):
+                self.compiling[msg.group] = added
+            else:
+                self.outbox.send(Admission(msg.group))
             return added
         for rid in added:  # aborted ones are reported and forgotten by step_deltas(touched=added)
             self.engine.abort(rid)
         self.outbox.send(Admission(msg.group, error, status, param))
         return added
+
+    def _compiling(self, rid: str) -> bool:
+        req = self.engine.request(rid)
+        return req is not None and req.grammar is not None and req.grammar.waiting
+
+    def _admit_compiled(self, news: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """Send the Admission of every group whose grammars are over compiling: a 400 with the first
+        failure's message (its other requests aborted), else admitted. Returns `news` without the
+        requests of rejected groups (a rejected request never ran: the HTTP side has nothing to stream)."""
+        if not self.compiling:
+            return news
+        finished = {req.rid: req for req, _ in news if req.finished}
+        rejected: set[str] = set()
+        for group, rids in list(self.compiling.items()):
+            failed = [finished[rid].grammar.error for rid in rids
+                      if rid in finished and finished[rid].grammar is not None and finished[rid].grammar.error]
+            if failed:
+                for rid in rids:
+                    if self.engine.abort(rid):  # the HTTP side drops their final deltas
+                        self.rejected.append(rid)
+                rejected.update(rids)
+                self.outbox.send(Admission(group, str(failed[0]), 400, failed[0].param))
+            elif any(self._compiling(rid) for rid in rids):
+                continue
+            else:
+                self.outbox.send(Admission(group))
+            del self.compiling[group]
+        return [(req, start) for req, start in news if req.rid not in rejected]
 
     def _delta(self, req: Request, start: int) -> TokenDelta:
         asked = req.params.logprobs is not None

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import httpx
 import jsonschema
@@ -288,6 +290,43 @@ def test_tool_choice_and_a_response_format_cannot_both_constrain(http):
     answer = http.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
                                                      "response_format": {"type": "json_object"}})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "tool_choice"
+
+
+def test_a_long_compile_stalls_no_other_request(client, http):
+    """A schema that compiles for a while (a long enum) waits alone: a plain request sent meanwhile
+    answers at its usual speed. The schema's own answer is a 200 that follows it, or, when a loaded
+    machine makes the compile outlast --grammar-compile-timeout, a 400 that says so."""
+    schema = {"type": "object", "properties": {"v": {"enum": [f"value-{i}" for i in range(12000)]}},
+              "required": ["v"]}
+    outcome: dict[str, object] = {}
+
+    def constrained() -> None:
+        start = time.monotonic()
+        try:
+            out = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=60,
+                                                 response_format=response_format(schema))
+            jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+        except openai.BadRequestError as e:
+            outcome["error"] = e.body
+        outcome["seconds"] = time.monotonic() - start
+
+    def plain() -> float:
+        start = time.monotonic()
+        http.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 3}}).raise_for_status()
+        return time.monotonic() - start
+
+    alone = min(plain() for _ in range(3))
+    first = threading.Thread(target=constrained)
+    first.start()
+    time.sleep(1.0)  # the constrained request has reached the engine: its compile runs
+    during = plain()
+    first.join()
+    if "error" in outcome:
+        assert "did not compile within" in outcome["error"]["message"], outcome
+        assert outcome["error"]["param"] == "response_format"
+    # Old engine: the plain request waits out the compile (~the whole constrained request).
+    assert during < max(10 * alone, outcome["seconds"] / 4), (alone, during, outcome)
+    wait_idle(http)
 
 
 def test_an_unknown_tool_call_parser_fails_at_start_up(model, capsys):

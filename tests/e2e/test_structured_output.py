@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -164,3 +165,69 @@ def test_grammars_are_refused_with_speculative_decoding_and_without_a_tokenizer(
     with Engine(model=str(bare), device="cpu", dtype="float32") as e:
         with pytest.raises(ValueError, match="regex needs a tokenizer"):
             e.add_request(prompt_token_ids=[3, 4], sampling_params=SamplingParams(regex="a"))
+
+
+def hold_compiles(engine: Engine) -> threading.Event:
+    """Make the engine's grammar compiles wait for the returned event (at most 20 s)."""
+    engine.generate(PROMPT, SamplingParams(max_new_tokens=4, regex="[0-9]+"))  # the backend exists now
+    release, compile_ = threading.Event(), engine.grammars._compile
+
+    def held(kind: str, text: str):
+        release.wait(20)
+        return compile_(kind, text)
+
+    engine.grammars._compile = held
+    return release
+
+
+def test_a_compiling_grammar_waits_alone_while_other_requests_run(model):
+    """The compile runs off the engine loop: a plain request runs to its end while a grammar request
+    waits unscheduled, a second request with the same grammar waits for the same compile, and both
+    then run under their grammar."""
+    with Engine(model=model, device="cpu", dtype="float32") as e:
+        release = hold_compiles(e)
+        misses = e.grammars.misses
+        regex = "(yes|no), [a-z]{2,5}"
+        constrained = [e.add_request(PROMPT, sampling_params=p) for p in sampled(2, max_new_tokens=40, regex=regex)]
+        plain = e.add_request(PROMPT, sampling_params=SamplingParams(max_new_tokens=12, ignore_eos=True))
+        while not e.request(plain).finished:
+            e.step()
+        assert len(e.request(plain).output_ids) == 12
+        assert not any(e.request(rid).output_ids for rid in constrained)  # never scheduled
+        assert e.stats().num_waiting == 2 and e.has_work()
+        assert e.grammars.misses == misses + 1  # one compile for both
+        release.set()
+        while not all(e.request(rid).finished for rid in constrained):
+            e.step()
+        for rid in constrained:
+            assert re.fullmatch(regex, e.output(e.pop(rid)).text)
+        assert_pool_full(e)
+
+
+def test_a_grammar_past_the_compile_timeout_fails_its_request_only(model):
+    with Engine(model=model, device="cpu", dtype="float32", grammar_compile_timeout=0.2) as e:
+        release = hold_compiles(e)
+        with pytest.raises(ValueError, match=r"regex is invalid: it did not compile within 0.2 s"):
+            e.generate([PROMPT, PROMPT], [SamplingParams(max_new_tokens=4), SamplingParams(regex="[a-f]+")])
+        assert e.stats().num_waiting == e.stats().num_running == 0  # the other one was not left behind
+        rid = e.add_request(PROMPT, sampling_params=SamplingParams(regex="[g-k]+"))  # the caller that steps
+        while not e.request(rid).finished:
+            e.step()
+        out = e.output(e.pop(rid))
+        assert out.meta["finish_reason"] == "error" and "did not compile within 0.2 s" in out.meta["error"]
+        release.set()
+        with pytest.raises(ValueError, match="grammar_max_length"):
+            e.add_request(PROMPT, sampling_params=SamplingParams(regex="a" * 200_001))
+        assert re.fullmatch("[0-9]+", e.generate(PROMPT, SamplingParams(max_new_tokens=4, regex="[0-9]+"))[0].text)
+        assert_pool_full(e)
+
+
+def test_the_grammar_bench_runs_its_smoke_setting(model, tmp_path):
+    from kestrel.bench import grammar as bench
+
+    out = tmp_path / "grammar.json"
+    bench.main(["--model", model, "--device", "cpu", "--smoke", "--grammar", "json", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["workload"]["batch_size"] == 4 and result["steps_timed"]["plain"] > 0
+    assert result["mask"]["steps"] > 0 and result["mask"]["mask_ms"] > 0
+    assert result["mask_share_of_step"] == result["mask"]["mask_ms"] / result["step_ms"]["plain"]
