@@ -248,7 +248,8 @@ class Engine:
             sched = self.config.scheduler
             limits = GrammarLimits(sched.grammar_compile_timeout, sched.grammar_max_length)
             try:
-                self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, limits)
+                self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, limits,
+                                               pinned=self.device.type == "cuda")
             except Exception as e:  # xgrammar cannot read this tokenizer: no grammar can be served
                 raise ValueError(f"{params.grammar[0]} cannot be served: xgrammar does not take this model's "
                                  f"tokenizer ({type(e).__name__}: {e})") from e

@@ -344,8 +344,9 @@ def test_generated_hostile_bodies_are_never_a_5xx_and_the_connection_survives(se
         for path, body in fuzz_cases():
             status, payload = conn.post(path, raw_json(body))
             count += 1
-            assert status in (200, 400), (path, body, status, payload)
-            if status == 400:
+            # 404 only for a model name we do not serve (OpenAI's model_not_found)
+            assert status in (200, 400) or (status == 404 and body.get("model") is not None), (path, body, status)
+            if status in (400, 404):
                 assert set(payload["error"]) == {"message", "type", "param", "code"}, payload
                 assert payload["error"]["message"], payload
     finally:
