@@ -219,7 +219,7 @@ class EngineLoop:
         return TokenDelta(
             rid=req.rid, token_ids=req.output_ids[start:],
             logprobs=req.output_logprobs[start:] if asked else None,
-            top_logprobs=req.output_top_logprobs[start:] if asked else None,
+            top_logprobs=[_finite(top) for top in req.output_top_logprobs[start:]] if asked else None,
             finished=req.finished, finish_reason=req.finish_reason, matched_stop=req.matched_stop, error=req.error,
             prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
             spec_accept_histogram=req.spec_accept_histogram if req.finished and req.spec_accept_counts else None,
@@ -230,3 +230,12 @@ class EngineLoop:
     def _send_stats(self) -> None:
         self.outbox.send(self.engine.stats())
         self.last_stats = time.monotonic()
+
+
+# A token a grammar's mask (or min_tokens) rules out has logprob -inf, which JSON cannot carry. It is
+# reported at this floor instead, as vLLM does, so top_logprobs keep the k entries the client asked for.
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(top: list[tuple[int, float]] | None) -> list[tuple[int, float]] | None:
+    return None if top is None else [(t, lp if lp > LOGPROB_FLOOR else LOGPROB_FLOOR) for t, lp in top]

@@ -188,6 +188,18 @@ def test_forced_tool_calls_parse_streamed_or_not(client, tool_choice):
     assert [(c["name"], c["arguments"]) for c in calls] == [(call.function.name, call.function.arguments)]
 
 
+def test_logprobs_under_a_grammar_are_finite_and_keep_their_count(client):
+    """The grammar masks out all but a few tokens at most steps: their -inf logprobs come at vLLM's
+    floor (-9999.0), never as a 500 (JSON has no -inf), and every step keeps its 5 top entries."""
+    out = client.chat.completions.create(model=NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                         max_tokens=40, logprobs=True, top_logprobs=5, seed=1)
+    content = out.choices[0].logprobs.content
+    assert content and all(len(step.top_logprobs) == 5 for step in content)
+    tops = [top.logprob for step in content for top in step.top_logprobs]
+    assert all(-9999.0 <= lp <= 0.0 for lp in tops) and -9999.0 in tops
+    assert all(step.logprob > -9999.0 for step in content)  # a chosen token was allowed
+
+
 def both_ways(client, **args) -> tuple[tuple[str | None, list[tuple[str, str]], str], int]:
     """((content, calls, finish_reason), completion tokens) of a chat answer; the streamed answer must read
     the same (an empty streamed content is the whole answer's null)."""
