@@ -126,7 +126,8 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 BENCHES = {"one-batch": "kestrel.bench.one_batch", "offline": "kestrel.bench.offline",
-           "serving": "kestrel.bench.serving", "closed-loop": "kestrel.bench.closed_loop",
+           "serving": "kestrel.bench.serving", "cpu-serving": "kestrel.bench.cpu_serving",
+           "closed-loop": "kestrel.bench.closed_loop",
            "perplexity": "kestrel.bench.perplexity"}
 
 
