@@ -52,6 +52,8 @@ HELP = {
     "nnodes": "machines the --tp-size ranks are spread over (default 1)",
     "node_rank": "this machine's place among --nnodes; node 0 serves HTTP, the others run their ranks only",
     "dist_init_addr": "host:port of node 0's rendezvous, reachable from every node (needed with --nnodes > 1)",
+    "cpu_threads": "torch compute threads of the engine on a CPU device (default: OMP_NUM_THREADS if set, else "
+                   "all usable cores up to 3, one fewer up to 8, two fewer above; docs/cpu.md)",
     "max_request_bytes": "largest request body in bytes; larger ones get 413 (default: 4 MiB)",
     "max_queued_requests": "engine requests held beyond --max-running-requests; past it, 503 with Retry-After "
                            "(default: 1024)",
@@ -161,8 +163,9 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 BENCHES = {"one-batch": "kestrel.bench.one_batch", "offline": "kestrel.bench.offline",
-           "serving": "kestrel.bench.serving", "closed-loop": "kestrel.bench.closed_loop",
-           "perplexity": "kestrel.bench.perplexity", "grammar": "kestrel.bench.grammar"}
+           "serving": "kestrel.bench.serving", "cpu-serving": "kestrel.bench.cpu_serving",
+           "closed-loop": "kestrel.bench.closed_loop", "perplexity": "kestrel.bench.perplexity",
+           "grammar": "kestrel.bench.grammar"}
 
 
 def configure_logging(level: str | None) -> None:

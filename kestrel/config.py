@@ -117,6 +117,9 @@ class ParallelConfig:
     nnodes: int = 1  # machines the tp_size ranks are spread over (tp_size / nnodes each)
     node_rank: int = 0  # this machine's place; node 0 runs rank 0 (the scheduler and the server)
     dist_init_addr: str | None = None  # host:port of rank 0's rendezvous; needed with nnodes > 1
+    # Torch compute threads of the engine on a CPU device, shared among the tensor-parallel ranks;
+    # unset: OMP_NUM_THREADS if set, else chosen from the usable cores (kestrel.engine.cpu_threads).
+    cpu_threads: int | None = None
 
 
 @dataclass(frozen=True)

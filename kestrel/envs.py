@@ -37,3 +37,26 @@ def allow_long_context() -> bool:
     """KESTREL_ALLOW_LONG_CONTEXT=1: accept a context_length past the checkpoint's positions when its rope
     is scaled (read at config resolution; the engine process inherits it)."""
     return os.environ.get("KESTREL_ALLOW_LONG_CONTEXT", "0").lower() in ("1", "true", "yes")
+
+
+def omp_num_threads() -> int | None:
+    """OMP_NUM_THREADS as the user set it (a positive integer), else None. A list ("4,2": nested levels)
+    counts by its first level. Raises ValueError naming the variable when it is not a number."""
+    raw = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not raw:
+        return None
+    first = raw.split(",")[0].strip()
+    if not first.isdigit() or int(first) < 1:
+        raise ValueError(f"OMP_NUM_THREADS must be a positive integer, got {raw!r}")
+    return int(first)
+
+
+def omp_wait_policy() -> str | None:
+    """OMP_WAIT_POLICY as the user set it (ACTIVE or PASSIVE), else None."""
+    return os.environ.get("OMP_WAIT_POLICY") or None
+
+
+def set_omp_wait_policy(policy: str) -> None:
+    """Set OMP_WAIT_POLICY for the OpenMP runtime this process (and its children) will load: it is read
+    once, when the runtime loads (with torch), so this only works before `import torch`."""
+    os.environ["OMP_WAIT_POLICY"] = policy

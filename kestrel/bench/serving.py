@@ -5,8 +5,9 @@
         --max-concurrency 64 --random-input-len 1000 --random-output-len 500 --random-range-ratio 0.2
 
 Requests go to the native `/generate` endpoint as token ids (no tokenizer needed), streamed, greedy,
-ignore_eos. Random ids are drawn below the server's vocabulary size, read from its `/server_info`
-(`--vocab-size` instead, for a server without one). Reports throughput, TTFT, inter-token latency
+ignore_eos; `--api openai` sends the same token ids to `/v1/completions` instead, so the same command
+measures any OpenAI-compatible server (vLLM's takes `ignore_eos` too). Random ids are drawn below the
+server's vocabulary size, read from its `/server_info` (`--vocab-size` instead, for a server without one). Reports throughput, TTFT, inter-token latency
 (ITL) and end-to-end latency (median, p99). Several `--max-concurrency` values run one after the other;
 `--plot PATH` draws throughput against concurrency and the latency distributions as a PNG.
 """
@@ -23,10 +24,10 @@ from kestrel.bench.plot import check_plot_available, plot_sweep
 
 
 async def one_request(client, url: str, prompt: list[int], output_len: int, headers: dict) -> dict:
+    """One streamed request to the native `/generate`; each event says how many tokens are done."""
     body = {"input_ids": prompt, "stream": True,
             "sampling_params": {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}}
-    start = time.perf_counter()
-    ttft, last, tokens, gaps = None, start, 0, []
+    timer = StreamTimer()
     async with client.stream("POST", url, json=body, headers=headers) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
@@ -36,16 +37,62 @@ async def one_request(client, url: str, prompt: list[int], output_len: int, head
             event = json.loads(line[6:])
             if "error" in event:
                 raise RuntimeError(event["error"])
-            done = event["meta_info"]["completion_tokens"]
-            if done > tokens:
-                now = time.perf_counter()
-                if ttft is None:
-                    ttft = now - start
-                else:  # an event carrying k tokens counts k gaps of equal share
-                    gaps += [(now - last) / (done - tokens)] * (done - tokens)
-                last, tokens = now, done
-    return {"ttft": ttft, "itl": gaps, "e2e": time.perf_counter() - start, "output_tokens": tokens,
-            "input_tokens": len(prompt)}
+            timer.tokens_done(event["meta_info"]["completion_tokens"])
+    return timer.result(len(prompt))
+
+
+async def one_openai_request(client, url: str, prompt: list[int], output_len: int, headers: dict,
+                             model: str) -> dict:
+    """One streamed request to `/v1/completions`. A chunk carries no token count: each chunk with a choice
+    counts as one token, and the usage chunk at the end corrects the total (its missing tokens are spread
+    over the gaps seen, as the native path spreads an event carrying several)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    timer = StreamTimer()
+    seen, usage = 0, None
+    async with client.stream("POST", url, json=body, headers=headers) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"])
+            if event.get("choices"):
+                seen += 1
+                timer.tokens_done(seen)
+            if event.get("usage"):
+                usage = event["usage"]["completion_tokens"]
+    if usage is None:
+        raise RuntimeError(f"{url} sent no usage chunk (stream_options.include_usage)")
+    return timer.result(len(prompt), total=usage)
+
+
+class StreamTimer:
+    """TTFT and inter-token gaps of one streamed request, from the running count of tokens done."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.ttft: float | None = None
+        self.last, self.tokens, self.gaps = self.start, 0, []
+
+    def tokens_done(self, done: int) -> None:
+        if done <= self.tokens:
+            return
+        now = time.perf_counter()
+        if self.ttft is None:
+            self.ttft = now - self.start
+        else:  # an event carrying k tokens counts k gaps of equal share
+            self.gaps += [(now - self.last) / (done - self.tokens)] * (done - self.tokens)
+        self.last, self.tokens = now, done
+
+    def result(self, input_tokens: int, total: int | None = None) -> dict:
+        gaps = self.gaps
+        if total is not None and total > self.tokens > 1:  # fewer events than tokens: each gap held more
+            gaps = [g * (self.tokens - 1) / (total - 1) for g in gaps]
+        return {"ttft": self.ttft, "itl": gaps, "e2e": time.perf_counter() - self.start,
+                "output_tokens": total if total is not None else self.tokens, "input_tokens": input_tokens}
 
 
 async def server_vocab_size(client, base_url: str, headers: dict) -> int:
@@ -63,19 +110,39 @@ async def server_vocab_size(client, base_url: str, headers: dict) -> int:
     return vocab_size
 
 
+def add_api_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--api", choices=("native", "openai"), default="native",
+                        help="native: kestrel's /generate; openai: /v1/completions of any OpenAI-compatible server")
+    parser.add_argument("--model", default=None,
+                        help="--api openai: the model name to send (default: the first one /v1/models lists)")
+
+
+async def request_sender(client, base_url: str, api: str, model: str | None, headers: dict):
+    """`send(prompt, output_len) -> result` for the chosen API."""
+    if api == "native":
+        return lambda prompt, n: one_request(client, base_url + "/generate", prompt, n, headers)
+    if model is None:
+        response = await client.get(base_url + "/v1/models", headers=headers)
+        if response.status_code != 200 or not response.json().get("data"):
+            raise ValueError(f"could not read the model name from {base_url}/v1/models (HTTP {response.status_code}: "
+                             f"{response.text[:200]}); pass --model")
+        model = response.json()["data"][0]["id"]
+    return lambda prompt, n: one_openai_request(client, base_url + "/v1/completions", prompt, n, headers, model)
+
+
 async def run(args: argparse.Namespace, concurrency: int | None, seed: int) -> tuple[dict, dict[str, list[float]]]:
     """One run at `concurrency` (None: every request at once) of prompts drawn with `seed`: the summary,
     and the raw TTFT, ITL and end-to-end latencies (seconds)."""
     import httpx
 
     base_url = args.base_url.rstrip("/")
-    url = base_url + "/generate"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limit = asyncio.Semaphore(concurrency or args.num_prompts)
     timeout = httpx.Timeout(None, connect=10.0)
 
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
         vocab_size = args.vocab_size or await server_vocab_size(client, base_url, headers)
+        send = await request_sender(client, base_url, args.api, args.model, headers)
         rng = random.Random(seed)
         prompts, out_lens = workload(args.num_prompts, args.random_input_len, args.random_output_len,
                                      args.random_range_ratio, vocab_size, rng)
@@ -83,9 +150,9 @@ async def run(args: argparse.Namespace, concurrency: int | None, seed: int) -> t
 
         async def limited(i: int) -> dict:
             async with limit:
-                return await one_request(client, url, prompts[i], out_lens[i], headers)
+                return await send(prompts[i], out_lens[i])
 
-        await one_request(client, url, prompts[0][:16], 4, headers)  # warm-up
+        await send(prompts[0][:16], 4)  # warm-up
         start = time.perf_counter()
         tasks = []
         for i in range(args.num_prompts):
@@ -122,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:30000")
     parser.add_argument("--api-key", default=None)
+    add_api_flags(parser)
     parser.add_argument("--max-concurrency", type=int, nargs="+", default=[None],
                         help="requests in flight at most (default: all at once); several values run in turn")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")

@@ -17,6 +17,8 @@ def check_parallel(par: ParallelConfig, hf: dict[str, Any], device: str, specula
     if ep not in (1, tp):
         raise ValueError(f"ep_size must be 1 or tp_size ({tp}): the routed experts are split over the "
                          f"tensor-parallel ranks; got {ep}")
+    if par.cpu_threads is not None and par.cpu_threads < 1:
+        raise ValueError(f"cpu_threads must be >= 1 (or unset: chosen from the usable cores), got {par.cpu_threads}")
     if par.nnodes < 1 or tp % par.nnodes:
         raise ValueError(f"nnodes must be >= 1 and divide tp_size ({tp}), got {par.nnodes}")
     if not 0 <= par.node_rank < par.nnodes:

@@ -18,6 +18,7 @@ import torch
 from kestrel.config import EngineConfig
 from kestrel.distributed.parallel_state import ParallelState, destroy_parallel, init_parallel, rank_device
 from kestrel.distributed.step_command import StepCommand
+from kestrel.engine.cpu_threads import configure_cpu_threads
 from kestrel.engine.sampler import Sampler, SamplingBatch, sampled_logits
 from kestrel.runner.build import RunnerParts, build_runner
 from kestrel.runner.model_runner import triton_on_device
@@ -36,8 +37,8 @@ def rank_main(config: EngineConfig, tp_rank: int, address: str, eos_token_ids: s
                      name="kestrel-parent-watch").start()
     try:
         device = rank_device(config, tp_rank)
-        if device.type == "cpu":  # the ranks share the machine's cores: oversubscribed, each waits on the others
-            torch.set_num_threads(max(1, torch.get_num_threads() // config.parallel.tp_size))
+        # The ranks share the machine's cores (the wait policy came with the engine process's environment).
+        configure_cpu_threads(config, log=False)
         par = config.parallel
         parallel = init_parallel(tp_rank, par.tp_size, par.ep_size, address, device)
         parts = build_runner(config, device, parallel)

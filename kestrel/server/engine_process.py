@@ -52,6 +52,10 @@ def _run_engine(config: EngineConfig, inbox: Connection, outbox: Connection, log
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        # Before anything imports torch: the OpenMP runtime reads its wait policy once, when it loads.
+        from kestrel.engine.cpu_threads import configure_cpu_threads
+
+        configure_cpu_threads(config)
         from kestrel.engine.engine import Engine
 
         engine = Engine(config=config)

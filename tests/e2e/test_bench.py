@@ -93,6 +93,10 @@ def test_serving_benchmark_against_a_live_server_learns_its_vocabulary(tiny_mode
         assert main(["bench", "serving", "--base-url", server.url, "--api-key", "sk-bench", "--num-prompts", "4",
                      "--max-concurrency", "1", "4", "--random-input-len", "10", "--random-output-len", "4",
                      "--json", str(tmp_path / "sweep.json"), "--plot", str(tmp_path / "serving.png")]) == 0
+        # The CPU benchmark goes through /v1/completions, as it does for any OpenAI-compatible server.
+        assert main(["bench", "cpu-serving", "--base-url", server.url, "--api-key", "sk-bench", "--vocab-size", "512",
+                     "--batch1-requests", "1", "--num-prompts", "3", "--max-concurrency", "2",
+                     "--random-input-len", "10", "--random-output-len", "4", "--json", str(tmp_path / "cpu.json")]) == 0
     finally:
         assert server.stop() == 0
     result = json.loads((tmp_path / "serving.json").read_text())
@@ -100,6 +104,9 @@ def test_serving_benchmark_against_a_live_server_learns_its_vocabulary(tiny_mode
     sweep = json.loads((tmp_path / "sweep.json").read_text())["runs"]
     assert [r["max_concurrency"] for r in sweep] == [1, 4] and all(r["output_tok_per_s"] > 0 for r in sweep)
     assert_png(tmp_path / "serving.png", panels=4)
+    cpu = json.loads((tmp_path / "cpu.json").read_text())
+    assert cpu["batch1"]["output_tokens"] == 4 and cpu["batch1"]["max_concurrency"] == 1
+    assert cpu["concurrency_2"]["output_tokens"] == 12 and cpu["batch1"]["itl_median_ms"] > 0
 
 
 def test_plot_without_matplotlib_fails_before_the_benchmark_runs(monkeypatch, capsys):

@@ -296,3 +296,29 @@ def test_abort_reaches_a_request_whose_last_token_is_in_flight(tiny_model):
         assert out.meta["finish_reason"] == "abort" and len(out.token_ids) == 1
         assert not engine.scheduler.finishing
         assert_pool_full(engine)
+
+
+def test_one_call_decode_equals_the_per_request_loop(tiny_model, monkeypatch):
+    """torch_native serves a decode batch in one SDPA call (keys padded to the longest, GQA in the call);
+    the per-request loop it replaces is the oracle, on requests of different lengths."""
+    import kestrel.attention.torch_native as torch_native
+
+    model = tiny_model("llama")  # 4 query heads over 2 KV heads
+    prompts = prompts_with_shared_prefixes(5, seed=3)
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def logprobs() -> list[list[tuple[float, int]]]:
+        with Engine(model=model, device="cpu", dtype="float32") as engine:
+            outs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        return [o.meta["output_token_logprobs"] for o in outs]
+
+    calls = []
+    one_call = torch_native.TorchNativeBackend._decode
+    monkeypatch.setattr(torch_native.TorchNativeBackend, "_decode",
+                        lambda self, *a: calls.append(1) or one_call(self, *a))
+    batched = logprobs()
+    assert calls, "the decode batches did not take the one-call path"
+    monkeypatch.setattr(torch_native, "_one_call_decode", lambda batch, layer: False)
+    for got, want in zip(batched, logprobs()):
+        assert [t for _, t in got] == [t for _, t in want]
+        assert max(abs(a - b) for (a, _), (b, _) in zip(got, want)) < 1e-4
