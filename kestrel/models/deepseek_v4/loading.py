@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,6 +22,9 @@ from torch import nn
 from kestrel.distributed.parallel_state import ParallelState
 from kestrel.models.deepseek_v4.moe import Experts
 from kestrel.quant.fp8 import dequantize_blocks
+
+if TYPE_CHECKING:
+    from kestrel.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +138,7 @@ def _expected_keys(state: dict[str, torch.Tensor]) -> set[str]:
 
 
 @torch.no_grad()
-def load_v4_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+def load_v4_checkpoint(model: DeepseekV4ForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
     """Copy (name, tensor) pairs of either naming into `model`, dequantising block-quantised weights.
 
     A checkpoint without any MTP tensor (transformers does not keep them) loads with the MTP layer
@@ -142,7 +146,7 @@ def load_v4_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, torch.Tens
     """
     state = model.state_dict(keep_vars=True)
     state = {k: v.data for k, v in state.items()}
-    parallel = getattr(model, "parallel", ParallelState())
+    parallel = model.parallel
     n_experts = model.config.n_routed_experts
     first_expert = {name: m.first for name, m in model.named_modules() if isinstance(m, Experts)}
     loaded: set[str] = set()

@@ -5,15 +5,21 @@ between the combine and its own hc_head + norm; embedding and lm head are the ta
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from kestrel.core.forward_batch import ForwardBatch
+from kestrel.distributed.parallel_state import ParallelState
 from kestrel.layers.norm import RMSNorm
+from kestrel.models.base import FeatureDraft
+from kestrel.models.deepseek_v4.block import V4Block
 from kestrel.models.deepseek_v4.config import V4Config
 from kestrel.models.deepseek_v4.mhc import hc_head, hc_site_params
-from kestrel.distributed.parallel_state import ParallelState
-from kestrel.models.deepseek_v4.block import V4Block
+
+if TYPE_CHECKING:
+    from kestrel.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
 
 class MTPLayer(V4Block):
@@ -40,7 +46,7 @@ class MTPLayer(V4Block):
         return self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg))
 
 
-class MTPDraft(nn.Module):
+class MTPDraft(FeatureDraft):
     """A DeepSeek-V4 target's MTP layer as a NEXTN feature draft, in the shape a ModelRunner runs.
 
     forward(input_ids, positions, batch): the tokens at t + 1 and, in `batch.spec_features`, streams at
@@ -49,7 +55,7 @@ class MTPDraft(nn.Module):
     draft step's feature and what `compute_logits` reads. Weights are the target's (shared, not copied).
     """
 
-    def __init__(self, target: nn.Module) -> None:
+    def __init__(self, target: DeepseekV4ForCausalLM) -> None:
         super().__init__()
         self.target = target
         self.config = target.config
