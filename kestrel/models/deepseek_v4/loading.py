@@ -14,7 +14,6 @@ import dataclasses
 import logging
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,9 +21,6 @@ from torch import nn
 from kestrel.distributed.parallel_state import ParallelState
 from kestrel.models.deepseek_v4.moe import Experts
 from kestrel.quant.fp8 import dequantize_blocks
-
-if TYPE_CHECKING:
-    from kestrel.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +134,7 @@ def _expected_keys(state: dict[str, torch.Tensor]) -> set[str]:
 
 
 @torch.no_grad()
-def load_v4_checkpoint(model: DeepseekV4ForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+def load_v4_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
     """Copy (name, tensor) pairs of either naming into `model`, dequantising block-quantised weights.
 
     A checkpoint without any MTP tensor (transformers does not keep them) loads with the MTP layer

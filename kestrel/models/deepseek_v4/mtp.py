@@ -5,8 +5,6 @@ between the combine and its own hc_head + norm; embedding and lm head are the ta
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
@@ -17,9 +15,6 @@ from kestrel.models.base import FeatureDraft
 from kestrel.models.deepseek_v4.block import V4Block
 from kestrel.models.deepseek_v4.config import V4Config
 from kestrel.models.deepseek_v4.mhc import hc_head, hc_site_params
-
-if TYPE_CHECKING:
-    from kestrel.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
 
 class MTPLayer(V4Block):
@@ -55,7 +50,7 @@ class MTPDraft(FeatureDraft):
     draft step's feature and what `compute_logits` reads. Weights are the target's (shared, not copied).
     """
 
-    def __init__(self, target: DeepseekV4ForCausalLM) -> None:
+    def __init__(self, target: nn.Module) -> None:
         super().__init__()
         self.target = target
         self.config = target.config
