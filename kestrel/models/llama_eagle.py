@@ -71,9 +71,10 @@ class _EagleLayer(nn.Module):
             self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
             self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, embeds: torch.Tensor | None,
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, embeds: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
-        """x: the layer's residual input [T, H] -> the residual stream after the layer (pre-norm)."""
+        """x: the layer's residual input [T, H], embeds: the tokens' embeddings (read by EAGLE-3's layer
+        only) -> the residual stream after the layer (pre-norm)."""
         attn_in = x if not self.eagle3 else torch.cat([self.input_layernorm(embeds), self.hidden_norm(x)], dim=-1)
         hidden, residual = self.post_attention_layernorm(self.self_attn(positions, attn_in, batch), x)
         return self.mlp(hidden) + residual
