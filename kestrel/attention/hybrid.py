@@ -9,7 +9,7 @@ from kestrel.core.forward_mode import ForwardMode
 
 def serving_half(mode: ForwardMode, speculative_attention_mode: str) -> str:
     """Which half ("prefill" or "decode") serves a forward mode."""
-    if mode in (ForwardMode.DECODE, ForwardMode.IDLE):
+    if mode is ForwardMode.DECODE:
         return "decode"
     if mode is ForwardMode.TARGET_VERIFY:
         return "decode" if speculative_attention_mode == "decode" else "prefill"

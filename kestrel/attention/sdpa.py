@@ -43,7 +43,7 @@ CUDA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBack
 
 def takes_fast_path(batch: ForwardBatch, on_cuda: bool) -> bool:
     """Whether this batch runs through per-request SDPA (True) or the fallback backend (False)."""
-    if batch.forward_mode in (ForwardMode.DECODE, ForwardMode.IDLE):
+    if batch.forward_mode is ForwardMode.DECODE:
         return False
     if batch.tree_mask is not None or batch.extend_lens_cpu is None:
         return False

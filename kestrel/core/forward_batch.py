@@ -1,4 +1,4 @@
-"""The tensors one model forward needs, built by the model runner."""
+"""The tensors one model forward needs, built by the model runner (and those a caller hands it on the device)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,3 +50,13 @@ class ForwardBatch:
     @property
     def batch_size(self) -> int:
         return self.seq_lens.shape[0]
+
+
+@dataclass
+class DeviceInputs:
+    """Inputs of a forward that are already on the device (a draft's tokens, a verify tree's positions),
+    replacing the ScheduledBatch's host lists so that building the batch never waits for the device."""
+
+    input_ids: torch.Tensor | None = None  # [T] int64
+    positions: torch.Tensor | None = None  # [T] int64
+    features: torch.Tensor | None = None  # [T, F]: a draft head's feature input (ForwardBatch.spec_features)

@@ -20,6 +20,7 @@ from kestrel.layers.vocab_parallel import VocabParallelEmbedding, VocabParallelH
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import RotaryEmbedding
 from kestrel.models.arch_config import ArchConfig, parse_arch_config
+from kestrel.models.base import CausalLM, SegmentShapes
 
 
 class LlamaAttention(nn.Module):
@@ -91,7 +92,7 @@ class LlamaDecoderLayer(nn.Module):
         q, k, v, residual = self.pre_attention(positions, hidden, residual)
         return self.post_attention(self.attention(q, k, v, batch), residual)
 
-    # The layer split at its attention call, for forwards that run the halves apart
+    # The layer split at its attention call (`DecoderLayerHalves`), for forwards that run the halves apart
     # (kestrel.runner.piecewise_graph). Neither half reads the batch: only the attention call does.
     def pre_attention(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -114,6 +115,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder; also its `SegmentedDecoder` (embed, the layers' halves, final norm)."""
+
     def __init__(self, cfg: ArchConfig, kernels: Kernels, parallel: ParallelState) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if parallel.tp_size == 1 else \
@@ -144,20 +147,23 @@ class LlamaModel(nn.Module):
         """The last layer's (MLP output, residual) -> the final-normed hidden state."""
         return self.norm(hidden, residual)[0]
 
+    def segment_shapes(self) -> SegmentShapes:
+        attn, weight = self.layers[0].self_attn, self.embed_tokens.weight
+        return SegmentShapes(hidden_size=weight.shape[1], q_size=attn.q_size, kv_size=attn.kv_size, dtype=weight.dtype)
 
-class LlamaForCausalLM(nn.Module):
+
+class LlamaForCausalLM(CausalLM):
     """forward: input_ids [T], positions [T] -> final-normed hidden [T, hidden];
-    compute_logits: hidden [N, hidden] -> float32 logits [N, vocab]."""
+    compute_logits: hidden [N, hidden] -> float32 logits [N, vocab]. Loaded by parameter name; prefills
+    run as piecewise CUDA graphs; EAGLE and EAGLE-3 heads draft for it."""
 
     parse_config = staticmethod(parse_arch_config)
-    # Checkpoint projection → (merged module, shard index), for the loader.
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    accepts_eagle_heads = True
 
     def __init__(self, cfg: ArchConfig, kernels: Kernels = Kernels(), parallel: ParallelState = ParallelState()) -> None:
-        super().__init__()
-        self.config = cfg
-        self.parallel = parallel
+        super().__init__(cfg, parallel)
         self.model = LlamaModel(cfg, kernels, parallel)
         # Tied checkpoints reuse the embedding; no separate lm_head parameter is created.
         self.lm_head = None
@@ -169,9 +175,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, batch)
 
     def segmented_decoder(self) -> LlamaModel:
-        """The decoder as `kestrel.runner.piecewise_graph` drives it: embed, each layer's halves around
-        its attention call, final norm (the LM head stays `compute_logits`)."""
         return self.model
+
+    def input_embedding(self) -> nn.Module:
+        return self.model.embed_tokens
 
     def kv_layout(self, dtype: torch.dtype, speculative_tokens: int = 1) -> KVLayout:
         """This rank's KV heads (all of them at tp_size 1). `speculative_tokens` needs nothing here: a

@@ -17,10 +17,11 @@ backend like any kestrel layer (layer id 0 of the draft's own KV pools).
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -30,9 +31,9 @@ from kestrel.layers.kernels import Kernels
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import RotaryEmbedding
 from kestrel.models.arch_config import ArchConfig, parse_arch_config
+from kestrel.models.base import CausalLM, StackedParams, fill_random
 from kestrel.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-from kestrel.models.loader import (_default_dtype, _fill_random, checkpoint_names, checkpoint_tensor,
-                                   copy_checkpoint, read_config)
+from kestrel.models.loader import _default_dtype, checkpoint_names, checkpoint_tensor, copy_checkpoint, read_config
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 _EAGLE3_MARKERS = ("midlayer.", "d2t", "layers.0.hidden_norm.")  # tensors only an EAGLE-3 head has
@@ -45,14 +46,14 @@ _UNUSED = {"EAGLE": ("embed_tokens.weight", "layers.0.input_layernorm.weight"),
 @dataclass(frozen=True)
 class TargetParts:
     """What a head borrows from its target: the embedding, and hidden -> float32 logits over the target
-    vocabulary (the target's lm_head; for a kestrel Llama, `model.compute_logits`)."""
+    vocabulary (the target's lm_head)."""
 
-    embed_tokens: nn.Embedding
+    embed_tokens: nn.Module
     compute_logits: Callable[[torch.Tensor], torch.Tensor]
 
     @classmethod
-    def of(cls, target: LlamaForCausalLM) -> "TargetParts":
-        return cls(target.model.embed_tokens, target.compute_logits)
+    def of(cls, target: CausalLM) -> "TargetParts":
+        return cls(target.input_embedding(), target.compute_logits)
 
 
 class _EagleLayer(nn.Module):
@@ -70,34 +71,34 @@ class _EagleLayer(nn.Module):
             self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
             self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, embeds: torch.Tensor | None,
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, embeds: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
-        """x: the layer's residual input [T, H] -> the residual stream after the layer (pre-norm)."""
+        """x: the layer's residual input [T, H], embeds: the tokens' embeddings (read by EAGLE-3's layer
+        only) -> the residual stream after the layer (pre-norm)."""
         attn_in = x if not self.eagle3 else torch.cat([self.input_layernorm(embeds), self.hidden_norm(x)], dim=-1)
         hidden, residual = self.post_attention_layernorm(self.self_attn(positions, attn_in, batch), x)
         return self.mlp(hidden) + residual
 
 
-class EagleHead(nn.Module):
-    """EAGLE-1/2 head. forward(input_ids [T], positions [T], features [T, H], batch) ->
-    (the head's feature at each position [T, H], float32 logits over the target vocabulary [T, V])."""
+class DraftHead(nn.Module, ABC):
+    """An EAGLE-family head. forward(input_ids [T], positions [T], features [T, H], batch) -> (the
+    head's feature at each position [T, H], float32 logits over the target vocabulary [T, V]).
 
-    variant = "EAGLE"
-    target_hidden_layers: tuple[int, ...] | None = None  # the target's final-normed last hidden state
-    stacked_params = LlamaForCausalLM.stacked_params
+    The forward is the same for both variants: the tokens' embeddings (the target's) and the features
+    make the layer's residual input (`layer_input`); the layer's output is the next feature. A variant
+    says what its layer is, how its input is made, how target hidden states become features
+    (`project_target_hidden`) and how its logits are computed."""
 
-    def __init__(self, cfg: ArchConfig, target: TargetParts, fc_bias: bool, max_positions: int,
-                 kernels: Kernels = Kernels()) -> None:
+    variant: ClassVar[str]  # the speculative algorithm it serves: "EAGLE" or "EAGLE3"
+    stacked_params: ClassVar[StackedParams] = LlamaForCausalLM.stacked_params
+    # Target layers whose inputs are the head's features (`ForwardBatch.capture_hidden`); None: the
+    # target's final-normed last hidden state.
+    target_hidden_layers: tuple[int, ...] | None = None
+
+    def __init__(self, cfg: ArchConfig, target: TargetParts) -> None:
         super().__init__()
         self.config = cfg
         self.target = target  # not a submodule: the target owns (and loads, and moves) these
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, use_triton=kernels.triton_rope)
-        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
-        self.layers = nn.ModuleList([_EagleLayer(cfg, rotary, kernels, eagle3=False)])
-
-    def project_target_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's captured hidden states -> the head's feature input (EAGLE: as they are)."""
-        return hidden
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,25 +107,60 @@ class EagleHead(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
                       batch: ForwardBatch) -> torch.Tensor:
-        x = self.fc(torch.cat([self.target.embed_tokens(input_ids), features], dim=-1))
-        return self.layers[0](positions, x, None, batch)
+        embeds = self.target.embed_tokens(input_ids)
+        return self.layer()(positions, self.layer_input(embeds, features), embeds, batch)
+
+    @abstractmethod
+    def layer(self) -> _EagleLayer:
+        """The head's one decoder layer (its checkpoint name differs between the variants)."""
+
+    @abstractmethod
+    def layer_input(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The layer's residual input [T, H] from the tokens' embeddings and the features."""
+
+    @abstractmethod
+    def project_target_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's captured hidden states -> the head's feature input."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        ...
+
+
+class EagleHead(DraftHead):
+    """EAGLE-1/2: `fc(cat(embed, feature))` into a layer without input norm; the target's lm_head."""
+
+    variant = "EAGLE"
+
+    def __init__(self, cfg: ArchConfig, target: TargetParts, fc_bias: bool, max_positions: int,
+                 kernels: Kernels = Kernels()) -> None:
+        super().__init__(cfg, target)
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, use_triton=kernels.triton_rope)
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
+        self.layers = nn.ModuleList([_EagleLayer(cfg, rotary, kernels, eagle3=False)])
+
+    def layer(self) -> _EagleLayer:
+        return self.layers[0]
+
+    def layer_input(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([embeds, features], dim=-1))
+
+    def project_target_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden  # the target's final hidden state is the feature as it is
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.compute_logits(hidden)  # EAGLE has no final norm
 
 
-class Eagle3Head(nn.Module):
-    """EAGLE-3 head: forward as EagleHead's, on features from `project_target_hidden` (the target's) or
-    from the head's own previous output; the returned feature is the pre-norm residual stream."""
+class Eagle3Head(DraftHead):
+    """EAGLE-3: features from `project_target_hidden` (the target's) or from the head's own previous
+    output, which is the pre-norm residual stream; its own norm and lm_head over a draft vocabulary."""
 
     variant = "EAGLE3"
-    stacked_params = LlamaForCausalLM.stacked_params
 
     def __init__(self, cfg: ArchConfig, target: TargetParts, target_hidden_size: int, draft_vocab_size: int,
                  target_hidden_layers: tuple[int, ...], max_positions: int, kernels: Kernels = Kernels()) -> None:
-        super().__init__()
-        self.config = cfg
-        self.target = target
+        super().__init__(cfg, target)
         # Inputs of these target layers (the residual stream entering each; N = after the last layer).
         self.target_hidden_layers = target_hidden_layers
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, use_triton=kernels.triton_rope)
@@ -137,18 +173,15 @@ class Eagle3Head(nn.Module):
         # Set by the loader from d2t: the draft vocabulary is the target's, in order (no scatter needed).
         self.identity_vocab = draft_vocab_size == cfg.vocab_size
 
+    def layer(self) -> _EagleLayer:
+        return self.midlayer
+
+    def layer_input(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        return features  # the layer reads the embeddings itself, through its input norm
+
     def project_target_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, 3 H_target], the captured layers concatenated in `target_hidden_layers` order -> [T, H]."""
         return self.fc(hidden)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
-                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.hidden_states(input_ids, positions, features, batch)
-        return hidden, self.compute_logits(hidden)
-
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
-                      batch: ForwardBatch) -> torch.Tensor:
-        return self.midlayer(positions, features, self.target.embed_tokens(input_ids), batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         draft_logits = self.lm_head(self.norm(hidden)).float()
@@ -206,7 +239,7 @@ def eagle3_target_layers(config: dict[str, Any], num_target_layers: int) -> tupl
 
 def load_eagle_head(path: str | Path, algorithm: str, target: TargetParts, num_target_layers: int,
                     max_positions: int, dtype: torch.dtype, device: torch.device | str,
-                    kernels: Kernels = Kernels(), load_format: str = "auto") -> EagleHead | Eagle3Head:
+                    kernels: Kernels = Kernels(), load_format: str = "auto") -> DraftHead:
     """Build the head on `device` in `dtype` and fill it from the checkpoint (random weights from a
     config-only folder with `load_format="dummy"`, for benchmarks); `algorithm` ("EAGLE" or "EAGLE3")
     must match what the checkpoint is. `max_positions` is the target's context length."""
@@ -225,13 +258,13 @@ def load_eagle_head(path: str | Path, algorithm: str, target: TargetParts, num_t
                               target_hidden_layers=eagle3_target_layers(config, num_target_layers),
                               max_positions=max_positions, kernels=kernels)
     if load_format == "dummy":
-        _fill_random(head)
+        fill_random(head)
         if variant == "EAGLE3":  # the first draft_vocab_size target ids
             head.d2t.zero_()
             head.identity_vocab = head.d2t.numel() == head.target_vocab_size
         return head.eval()
     unused = _UNUSED[variant]
-    copy_checkpoint(head, path, f"an {variant} head", skip=lambda name: name in unused,
+    copy_checkpoint(head, path, f"an {variant} head", head.stacked_params, skip=lambda name: name in unused,
                     rename=_vllm_to_midlayer if variant == "EAGLE3" else lambda name: name)
     if variant == "EAGLE3":
         _check_vocab_map(head, path, "t2d" in names)

@@ -14,6 +14,7 @@ from kestrel.config import read_json_config
 from kestrel.distributed.parallel_state import ParallelState
 from kestrel.layers.kernels import Kernels
 from kestrel.layers.linear import Slice
+from kestrel.models.base import CausalLM, StackedParams
 from kestrel.models.gguf import gguf_file, gguf_tensors, read_gguf_config
 from kestrel.models.registry import model_class
 from kestrel.progress import progress_bar
@@ -43,7 +44,7 @@ def read_arch_config(model_path: str | Path):
 
 def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device | str,
                kernels: Kernels = Kernels(), load_format: str = "auto", hf_config: dict | None = None,
-               quantization: str | None = None, parallel: ParallelState = ParallelState()) -> nn.Module:
+               quantization: str | None = None, parallel: ParallelState = ParallelState()) -> CausalLM:
     """Build the model directly on `device` in `dtype` and fill it from the checkpoint.
 
     Checkpoint names map to parameters by name, except projections the model merges
@@ -51,8 +52,8 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
     `load_format="dummy"` fills random weights instead (benchmarks of a config-only folder).
     `kernels` picks Triton or torch implementations of rope, norms and activations.
     `hf_config` is the folder's config.json when the caller has read it already.
-    A model class with its own `load_checkpoint` / `fill_dummy` (DeepSeek-V4: other namings, FP8/FP4
-    dequantisation) fills itself from the same tensor stream.
+    A family that `loads_own_checkpoint` (DeepSeek-V4: other namings, FP8/FP4 dequantisation) fills
+    itself from the same tensor stream.
     `quantization="fp8"` runs the decoder's linear layers in FP8 (kestrel.quant.linears): an FP8
     checkpoint's weights as stored, a float checkpoint's (or dummy weights) quantized after loading;
     None loads what the checkpoint holds.
@@ -66,20 +67,15 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
     cfg = cls.parse_config(config)
     with torch.device(device), _default_dtype(dtype):
         model = cls(cfg, kernels, parallel)
-    own_loader = hasattr(model, "load_checkpoint")
-    if own_loader and quantization is not None:
+    if cls.loads_own_checkpoint and quantization is not None:
         raise ValueError(f"quantization {quantization!r} is not supported for {cls.__name__}")
     if load_format == "dummy":
-        if own_loader:
-            model.fill_dummy()
-        else:
-            _fill_random(model)
+        model.fill_dummy()
         return _quantized(model, quantization, kernels).eval()
-    if own_loader:
+    if cls.loads_own_checkpoint:
         # A tensor the model says it skips (another expert-parallel rank's expert) is never read.
-        skips = getattr(model, "skips_checkpoint_tensor", lambda name: False)
         tensors = ((name, read(None)) for name, read in _checkpoint_reads(Path(model_path), hf_config=config)
-                   if not skips(name))
+                   if not model.skips_checkpoint_tensor(name))
         with progress_bar(None, "Loading weights", "tensor") as bar:  # its own loader: no count known ahead
             model.load_checkpoint(_counted(tensors, bar), str(model_path))
         return model.eval()
@@ -92,11 +88,11 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
         from kestrel.quant.linears import use_checkpoint_fp8_linears
 
         use_checkpoint_fp8_linears(model, checkpoint_names(model_path), kernels.triton_fp8)
-    copy_checkpoint(model, model_path, cfg.architecture, skip, hf_config=config)
+    copy_checkpoint(model, model_path, cfg.architecture, cls.stacked_params, skip, hf_config=config)
     return _quantized(model, quantization if stored is None else None, kernels).eval()
 
 
-def _quantized(model: nn.Module, quantization: str | None, kernels: Kernels) -> nn.Module:
+def _quantized(model: CausalLM, quantization: str | None, kernels: Kernels) -> CausalLM:
     """The model with its float weights quantized online (`quantization="fp8"`), or as it is."""
     if quantization is not None:
         from kestrel.quant.linears import quantize_linears
@@ -105,11 +101,13 @@ def _quantized(model: nn.Module, quantization: str | None, kernels: Kernels) -> 
     return model
 
 
-def copy_checkpoint(model: nn.Module, model_path: str | Path, what: str, skip: Callable[[str], bool] = lambda n: False,
-                    rename: Callable[[str], str] = lambda n: n, hf_config: dict | None = None) -> None:
+def copy_checkpoint(model: nn.Module, model_path: str | Path, what: str, stacked_params: StackedParams,
+                    skip: Callable[[str], bool] = lambda n: False, rename: Callable[[str], str] = lambda n: n,
+                    hf_config: dict | None = None) -> None:
     """Copy every checkpoint tensor into the parameter or persistent buffer of the same name (after
-    `rename`), except names `skip` accepts. Raises ValueError listing missing or unexpected names,
-    so a checkpoint loads whole or not at all. `hf_config`: the model's config, if read already."""
+    `rename`), or into its rows of a merged parameter (`stacked_params`, as `CausalLM` declares it),
+    except names `skip` accepts. Raises ValueError listing missing or unexpected names, so a
+    checkpoint loads whole or not at all. `hf_config`: the model's config, if read already."""
     params = dict(model.state_dict(keep_vars=True))
     expected = _expected_keys(model, params)
     loaded: set[str] = set()
@@ -118,7 +116,7 @@ def copy_checkpoint(model: nn.Module, model_path: str | Path, what: str, skip: C
         for name, read in _checkpoint_reads(Path(model_path), hf_config=hf_config):
             if skip(name):
                 continue
-            target, rows, part = _destination(model, params, rename(name))
+            target, rows, part = _destination(model, params, stacked_params, rename(name))
             if target is None:
                 unexpected.append(name)
                 continue
@@ -150,10 +148,10 @@ def checkpoint_tensor(model_path: str | Path, name: str) -> torch.Tensor:
     raise KeyError(f"no tensor {name!r} in the checkpoint at {model_path}")
 
 
-def _destination(model: nn.Module, params: dict[str, torch.Tensor], name: str):
+def _destination(model: nn.Module, params: dict[str, torch.Tensor], stacked_params: StackedParams, name: str):
     """(bookkeeping key, tensor view to copy into, this rank's Slice of the checkpoint tensor or None
     for all of it) for a checkpoint name, or (None, None, None)."""
-    for part, (merged, shard_id) in getattr(model, "stacked_params", {}).items():
+    for part, (merged, shard_id) in stacked_params.items():
         if f".{part}." in name:
             merged_name = name.replace(f".{part}.", f".{merged}.")
             param = params.get(merged_name)
@@ -188,18 +186,6 @@ def _counted(tensors: Iterator[tuple[str, torch.Tensor]], bar) -> Iterator[tuple
     for item in tensors:
         yield item
         bar.update()
-
-
-def _fill_random(model: nn.Module) -> None:
-    """Small random weights (norm weights 1, biases 0), the same on every load: a fixed-seed generator."""
-    device = next(model.parameters()).device
-    gen = torch.Generator(device).manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 1:
-                param.fill_(1.0 if name.endswith("norm.weight") else 0.0)
-            else:
-                param.normal_(0.0, 0.02, generator=gen)
 
 
 @contextlib.contextmanager

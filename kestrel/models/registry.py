@@ -3,12 +3,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
+from kestrel.models.base import CausalLM
 from kestrel.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from kestrel.models.llama import LlamaForCausalLM
 
-_MODELS: dict[str, type[nn.Module]] = {
+_MODELS: dict[str, type[CausalLM]] = {
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -21,7 +20,7 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def model_class(architectures: list[str]) -> type[nn.Module]:
+def model_class(architectures: list[str]) -> type[CausalLM]:
     """The class for the first supported name in `architectures` (a config.json field)."""
     for name in architectures:
         if name in _MODELS:

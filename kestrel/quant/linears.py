@@ -6,10 +6,15 @@ what it holds (a `weight_scale_inv` next to an FP8 weight), so a layer it left i
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from kestrel.layers.fp8_linear import Fp8Linear
+
+if TYPE_CHECKING:
+    from kestrel.models.base import CausalLM
 
 
 def _candidates(model: nn.Module) -> list[str]:
@@ -36,11 +41,11 @@ def quantize_linears(model: nn.Module, use_triton: bool) -> None:
     _return_freed_memory()
 
 
-def use_checkpoint_fp8_linears(model: nn.Module, checkpoint_names: list[str], use_triton: bool) -> None:
+def use_checkpoint_fp8_linears(model: CausalLM, checkpoint_names: list[str], use_triton: bool) -> None:
     """Before loading an FP8 checkpoint: an empty Fp8Linear for every layer the checkpoint stores in FP8
     (all the checkpoint projections merged into it, e.g. q/k/v, must agree)."""
     scaled = {n.removesuffix(".weight_scale_inv") for n in checkpoint_names if n.endswith(".weight_scale_inv")}
-    stacked = getattr(model, "stacked_params", {})
+    stacked = model.stacked_params
     for name in _candidates(model):
         prefix, _, leaf = name.rpartition(".")
         parts = [f"{prefix}.{part}" for part, (merged, _) in stacked.items() if merged == leaf] or [name]

@@ -8,12 +8,11 @@ and replays. The function must read only its inputs and tensors that live as lon
 """
 from __future__ import annotations
 
-import bisect
 from typing import Callable, Sequence
 
 import torch
 
-from kestrel.runner.cuda_graph import batch_size_buckets
+from kestrel.runner.graph_capture import CapturedGraphs, batch_size_buckets, bucket_for
 
 
 class BucketGraphs:
@@ -25,20 +24,12 @@ class BucketGraphs:
         self.max_bs = max_bs
         self.pad_values = pad_values
         self.static: dict[int, list[torch.Tensor]] = {}
-        self.outputs: dict[int, Sequence[torch.Tensor]] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        pool = None
+        self.graphs = CapturedGraphs(device)  # by bucket: the function's outputs on its static inputs
         with torch.inference_mode():
-            for bs in reversed(self.buckets):  # largest first: the smaller ones reuse its memory pool
-                static = [t.clone() for t in inputs(bs)]
-                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
-                    fn(*static)
-                torch.cuda.synchronize(device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[bs] = fn(*static)
-                pool = graph.pool()
-                self.static[bs], self.graphs[bs] = static, graph
+            for bs in reversed(self.buckets):  # largest first (CapturedGraphs)
+                static = self.static[bs] = [t.clone() for t in inputs(bs)]
+                self.graphs.warm_up(lambda: fn(*static))
+                self.graphs.capture(bs, lambda: fn(*static))
 
     def can_run(self, bs: int) -> bool:
         return bs <= self.max_bs
@@ -47,10 +38,9 @@ class BucketGraphs:
         """The function's outputs for the batch (views of the static outputs: read them before the next
         call)."""
         bs = inputs[0].shape[0]
-        bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
+        bucket = bucket_for(self.buckets, bs)
         for buf, x, pad in zip(self.static[bucket], inputs, self.pad_values):
             buf[:bs].copy_(x)
             if bucket > bs:
                 buf[bs:].fill_(pad)
-        self.graphs[bucket].replay()
-        return [out[:bs] for out in self.outputs[bucket]]
+        return [out[:bs] for out in self.graphs.replay(bucket)]

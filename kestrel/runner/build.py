@@ -10,11 +10,11 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from kestrel.cache.kv_memory import KVMemory, pool_size
 from kestrel.config import EngineConfig
 from kestrel.distributed.parallel_state import ParallelState
+from kestrel.models.base import CausalLM
 from kestrel.models.loader import load_model
 from kestrel.quant.kv import kv_cache_dtype
 from kestrel.runner.future_tokens import FutureTokens
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class RunnerParts:
     config: EngineConfig  # as given, or with the radix cache turned off for a model that cannot reuse prefixes
-    model: nn.Module
+    model: CausalLM
     draft: Draft | None
     kv_memory: KVMemory
     future_tokens: FutureTokens

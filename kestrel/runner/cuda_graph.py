@@ -8,24 +8,21 @@ takes the tree mask from a static buffer (causal when the batch has none).
 """
 from __future__ import annotations
 
-import bisect
 import logging
 
 import torch
 
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.core.forward_mode import ForwardMode
+from kestrel.core.forward_output import ForwardOutput
+from kestrel.models.base import ForwardModel
+from kestrel.runner.graph_capture import CapturedGraphs, batch_size_buckets, bucket_for
 
 logger = logging.getLogger(__name__)
 
 
-def batch_size_buckets(max_bs: int) -> list[int]:
-    sizes = [1, 2, 4, 8, 12, 16, 24] + list(range(32, max_bs + 1, 16))
-    return sorted({s for s in sizes if s <= max_bs} | {max_bs})
-
-
 class CudaGraphRunner:
-    def __init__(self, model: torch.nn.Module, attn_backend, padding_row: int, max_bs: int, device: torch.device,
+    def __init__(self, model: ForwardModel, attn_backend, padding_row: int, max_bs: int, device: torch.device,
                  mode: ForwardMode = ForwardMode.DECODE, tokens: int = 1, capture_hidden: tuple[int, ...] = (),
                  features: tuple[int, torch.dtype] | None = None, capture: bool = True,
                  max_seq_len: int | None = None) -> None:
@@ -54,9 +51,8 @@ class CudaGraphRunner:
         self.features = None if features is None else torch.zeros(n, features[0], dtype=features[1], device=device)
         self.padding_row = padding_row
         self.max_seq_len = max_seq_len
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
-        self.pool = None
+        # By batch-size bucket: (logits, hidden, captured hidden) of the padded batch.
+        self.graphs = CapturedGraphs(device)
         if capture:
             self._capture_all()
 
@@ -84,17 +80,10 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        # Largest first, so smaller graphs reuse the memory pool of the larger ones.
-        for bs in reversed(self.buckets):
+        for bs in reversed(self.buckets):  # largest first (CapturedGraphs)
             batch = self._batch(bs)
-            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
-                self._run(batch)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[bs] = self._run(batch)
-            self.pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs.warm_up(lambda: self._run(batch))
+            self.graphs.capture(bs, lambda: self._run(batch))
         logger.info("captured CUDA graphs for %s batches of %d token(s) per request, batch sizes %s",
                     self.mode.value, self.tokens, self.buckets)
 
@@ -108,13 +97,11 @@ class CudaGraphRunner:
                 and (self.max_seq_len is None or batch.seq_lens_cpu is None
                      or max(batch.seq_lens_cpu) <= self.max_seq_len))
 
-    def replay(self, batch: ForwardBatch):
+    def replay(self, batch: ForwardBatch) -> ForwardOutput:
         """The ForwardOutput of an eager-built batch that `can_run`."""
-        bucket = self._stage(batch)
-        self.graphs[bucket].replay()
-        return self._output(batch, self.outputs[bucket])
+        return self._output(batch, self.graphs.replay(self._stage(batch)))
 
-    def run_uncaptured(self, batch: ForwardBatch):
+    def run_uncaptured(self, batch: ForwardBatch) -> ForwardOutput:
         """What `replay` computes, run eagerly: the batch staged into the static buffers, padded to its
         bucket, through the same forward the graph captured (CPU tests of graph-only paths, debugging)."""
         bucket = self._stage(batch)
@@ -124,7 +111,7 @@ class CudaGraphRunner:
         """Copy the batch into the static buffers, pad them to its bucket; the bucket."""
         bs, t = batch.batch_size, self.tokens
         n = bs * t
-        bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
+        bucket = bucket_for(self.buckets, bs)
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
         self.out_cache_loc[:n].copy_(batch.out_cache_loc)
@@ -145,9 +132,7 @@ class CudaGraphRunner:
         return bucket
 
     @staticmethod
-    def _output(batch: ForwardBatch, outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]):
-        from kestrel.runner.model_runner import ForwardOutput
-
+    def _output(batch: ForwardBatch, outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> ForwardOutput:
         n = batch.input_ids.shape[0]
         logits, hidden, captured = outputs
         # Every row is a logits row (one token per request, or all of a verify's): hidden is per token.

@@ -4,10 +4,8 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import logging
-from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from kestrel.attention.decisions import cuda_graph_backends, shared_triton_kernel
 from kestrel.attention.hybrid import HybridBackend
@@ -15,9 +13,11 @@ from kestrel.attention.registry import REGISTRY, attention_backends, create_back
 from kestrel.cache.kv_memory import KVMemory, KVPools
 from kestrel.config import EngineConfig
 from kestrel.core.batch import ScheduledBatch
-from kestrel.core.forward_batch import ForwardBatch
+from kestrel.core.forward_batch import DeviceInputs, ForwardBatch
 from kestrel.core.forward_mode import ForwardMode
+from kestrel.core.forward_output import ForwardOutput
 from kestrel.layers.kernels import Kernels
+from kestrel.models.base import ForwardModel
 from kestrel.runner.cuda_graph import CudaGraphRunner
 from kestrel.runner.future_tokens import FutureTokens
 from kestrel.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_unavailable
@@ -36,28 +36,10 @@ def layer_kernels(config: EngineConfig) -> Kernels:
                    triton_fp8=on_device)
 
 
-@dataclass
-class ForwardOutput:
-    logits: torch.Tensor  # [N, vocab] float32 at the batch's `logit_rows()`
-    hidden: torch.Tensor  # [N, hidden]: the final hidden state at the same rows
-    captured: torch.Tensor | None  # [T, hidden * k]: the batch's `capture_hidden` layers, every new token
-    token_hidden: torch.Tensor  # [T, hidden]: the final hidden state of every new token (EAGLE's features)
-
-
-@dataclass
-class DeviceInputs:
-    """Inputs of a forward that are already on the device (a draft's tokens, a verify tree's positions),
-    replacing the ScheduledBatch's host lists so that building the batch never waits for the device."""
-
-    input_ids: torch.Tensor | None = None  # [T] int64
-    positions: torch.Tensor | None = None  # [T] int64
-    features: torch.Tensor | None = None  # [T, F]: a draft head's feature input (ForwardBatch.spec_features)
-
-
 class ModelRunner:
     """`model` over `pools` (its share of `memory`); the attention backends of `config`'s pair."""
 
-    def __init__(self, config: EngineConfig, model: nn.Module, memory: KVMemory, pools: KVPools,
+    def __init__(self, config: EngineConfig, model: ForwardModel, memory: KVMemory, pools: KVPools,
                  future_tokens: FutureTokens, attn_backend=None) -> None:
         assert config.resolved, "ModelRunner needs a resolved EngineConfig"
         self.config = config

@@ -18,7 +18,6 @@ one memory pool, so a segment's temporaries take the memory of the largest one o
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from collections import Counter
@@ -29,10 +28,12 @@ import torch
 from kestrel.attention.decisions import piecewise_graph_prefill
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.core.forward_mode import ForwardMode
+from kestrel.core.forward_output import ForwardOutput
+from kestrel.models.base import ForwardModel
+from kestrel.runner.graph_capture import CapturedGraphs, bucket_for
 
 if TYPE_CHECKING:
     from kestrel.config import EngineConfig
-    from kestrel.runner.model_runner import ForwardOutput
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
 
 
-def piecewise_unavailable(config: "EngineConfig", model: torch.nn.Module, device: torch.device) -> str | None:
+def piecewise_unavailable(config: "EngineConfig", model: ForwardModel, device: torch.device) -> str | None:
     """Why this engine cannot use piecewise graphs although they were asked for; None if it can."""
     if device.type != "cuda":
         return "CUDA graphs need a CUDA device"
@@ -58,7 +59,7 @@ def piecewise_unavailable(config: "EngineConfig", model: torch.nn.Module, device
         return "the prefill attention backend does not run between piecewise graphs (triton does)"
     if config.parallel.tp_size > 1:
         return "tensor parallelism: the all-reduces inside the segments are not captured piecewise (untested)"
-    if not hasattr(model, "segmented_decoder"):
+    if model.segmented_decoder() is None:
         return f"{type(model).__name__} does not split its forward at the attention calls (Llama family only)"
     return None
 
@@ -80,28 +81,28 @@ class PiecewiseGraphRunner:
     """Runs EXTEND / MIXED forwards of `model` through its segments, captured per token bucket.
     `capture=False` keeps the static buffers without capturing (`run_uncaptured`, on any device)."""
 
-    def __init__(self, model: torch.nn.Module, max_tokens: int, device: torch.device, capture: bool = True) -> None:
+    def __init__(self, model: ForwardModel, max_tokens: int, device: torch.device, capture: bool = True) -> None:
         self.model = model
-        self.decoder = model.segmented_decoder()
-        self.layers = self.decoder.layers
+        decoder = model.segmented_decoder()
+        assert decoder is not None, "piecewise_unavailable says which models have no segmented decoder"
+        self.decoder = decoder
+        self.layers = decoder.layers
         self.buckets = token_buckets(max_tokens)
         self.max_tokens = max_tokens
         free_before = torch.cuda.mem_get_info(device)[0] if capture else 0
-        attn = self.layers[0].self_attn
-        dtype = self.decoder.embed_tokens.weight.dtype
-        hidden_size = self.decoder.embed_tokens.weight.shape[1]
-        n = max_tokens
+        shapes = decoder.segment_shapes()
+        n, dtype = max_tokens, shapes.dtype
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         # State handed from one segment to the next. Padded rows of `attn_out` keep whatever an earlier
         # step left there: finite values that only padded rows read.
-        self.residual = torch.zeros(n, hidden_size, dtype=dtype, device=device)
-        self.q = torch.zeros(n, attn.q_size, dtype=dtype, device=device)
-        self.k = torch.zeros(n, attn.kv_size, dtype=dtype, device=device)
-        self.v = torch.zeros(n, attn.kv_size, dtype=dtype, device=device)
-        self.attn_out = torch.zeros(n, attn.q_size, dtype=dtype, device=device)
-        self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)  # the final norm's output
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, segment) -> graph
+        self.residual = torch.zeros(n, shapes.hidden_size, dtype=dtype, device=device)
+        self.q = torch.zeros(n, shapes.q_size, dtype=dtype, device=device)
+        self.k = torch.zeros(n, shapes.kv_size, dtype=dtype, device=device)
+        self.v = torch.zeros(n, shapes.kv_size, dtype=dtype, device=device)
+        self.attn_out = torch.zeros(n, shapes.q_size, dtype=dtype, device=device)
+        self.hidden = torch.zeros(n, shapes.hidden_size, dtype=dtype, device=device)  # the final norm's output
+        self.graphs = CapturedGraphs(device)  # by (bucket, segment)
         self.replays: Counter[ForwardMode] = Counter()  # forwards served by replaying, by mode (tests, benches)
         self.graph_memory = 0  # device bytes taken: static buffers, graphs and their pool, warm-up's cache
         if capture:
@@ -128,19 +129,11 @@ class PiecewiseGraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self, device: torch.device) -> None:
-        start, pool = time.perf_counter(), None
-        # Largest first: the smaller buckets' temporaries fit in the memory the largest one's took.
-        for bucket in reversed(self.buckets):
-            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
-                for i in range(self.num_segments):
-                    self._segment(i, bucket)
-            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for bucket in reversed(self.buckets):  # largest first (CapturedGraphs)
+            self.graphs.warm_up(lambda: [self._segment(i, bucket) for i in range(self.num_segments)])
             for i in range(self.num_segments):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._segment(i, bucket)
-                pool = graph.pool()
-                self.graphs[(bucket, i)] = graph
+                self.graphs.capture((bucket, i), lambda: self._segment(i, bucket))
         torch.cuda.synchronize(device)
         logger.info("captured piecewise CUDA graphs for EXTEND/MIXED: %d segments x %d token buckets %s in %.1f s",
                     self.num_segments, len(self.buckets), self.buckets, time.perf_counter() - start)
@@ -148,20 +141,18 @@ class PiecewiseGraphRunner:
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch_fallback(batch, self.max_tokens) is None
 
-    def replay(self, batch: ForwardBatch) -> "ForwardOutput":
+    def replay(self, batch: ForwardBatch) -> ForwardOutput:
         """The ForwardOutput of an eager-built batch that `can_run`."""
         self.replays[batch.forward_mode] += 1
-        return self._forward(batch, lambda i, bucket: self.graphs[(bucket, i)].replay())
+        return self._forward(batch, lambda i, bucket: self.graphs.replay((bucket, i)))
 
-    def run_uncaptured(self, batch: ForwardBatch) -> "ForwardOutput":
+    def run_uncaptured(self, batch: ForwardBatch) -> ForwardOutput:
         """What `replay` computes, run eagerly: the same padding, static buffers and segments (CPU tests)."""
         return self._forward(batch, lambda i, bucket: self._segment(i, bucket))
 
-    def _forward(self, batch: ForwardBatch, run_segment: Callable[[int, int], None]) -> "ForwardOutput":
-        from kestrel.runner.model_runner import ForwardOutput
-
+    def _forward(self, batch: ForwardBatch, run_segment: Callable[[int, int], None]) -> ForwardOutput:
         n = batch.input_ids.shape[0]
-        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
+        bucket = bucket_for(self.buckets, n)
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
         if bucket > n:

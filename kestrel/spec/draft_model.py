@@ -18,10 +18,11 @@ from torch import nn
 from kestrel.cache.kv_layout import KVLayout
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.layers.kernels import Kernels
+from kestrel.models.base import CausalLM, FeatureDraft
 from kestrel.quant.kv import kv_cache_dtype
 
 
-class HeadAsModel(nn.Module):
+class HeadAsModel(FeatureDraft):
     """An EAGLE head in the shape a ModelRunner runs: forward(input_ids, positions, batch) reads the
     feature input from `batch.spec_features`."""
 
@@ -52,7 +53,7 @@ class Draft:
     features: Callable[[torch.Tensor], torch.Tensor] = lambda hidden: hidden
 
 
-def load_draft(config: Any, target: nn.Module, dtype: torch.dtype, device: torch.device,
+def load_draft(config: Any, target: CausalLM, dtype: torch.dtype, device: torch.device,
                kernels: Kernels) -> Draft:
     """The draft `config.speculative` names, on `device` in `dtype`, checked against `target`."""
     from kestrel.models.llama_eagle import TargetParts, check_eagle_head, load_eagle_head
@@ -67,7 +68,7 @@ def load_draft(config: Any, target: nn.Module, dtype: torch.dtype, device: torch
                              f"{target.config.vocab_size}: a STANDALONE draft must share the target's tokenizer")
         return Draft(model, model.kv_layout(dtype), uses_features=False)
     if algorithm in ("EAGLE", "EAGLE3"):
-        if not hasattr(target, "model") or not hasattr(target.model, "embed_tokens"):
+        if not target.accepts_eagle_heads:
             raise ValueError(f"{algorithm} heads draft for Llama-family targets; "
                              f"{type(target).__name__} is not one")
         check_eagle_head(path, algorithm, config.model.hf_config)

@@ -25,7 +25,9 @@ from kestrel.attention.registry import REGISTRY
 from kestrel.core.batch import ScheduledBatch
 from kestrel.core.forward_mode import ForwardMode
 from kestrel.engine.sampler import SamplingBatch
-from kestrel.runner.model_runner import DeviceInputs, ForwardOutput, ModelRunner
+from kestrel.core.forward_batch import DeviceInputs
+from kestrel.core.forward_output import ForwardOutput
+from kestrel.runner.model_runner import ModelRunner
 from kestrel.spec.draft_backends import create_draft_backends
 from kestrel.spec.draft_lanes import DraftLanes
 from kestrel.spec.draft_model import Draft

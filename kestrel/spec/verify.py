@@ -14,7 +14,8 @@ import torch
 
 from kestrel.core.batch import ScheduledBatch
 from kestrel.engine.sampler import SamplingBatch
-from kestrel.runner.model_runner import DeviceInputs, ForwardOutput
+from kestrel.core.forward_batch import DeviceInputs
+from kestrel.core.forward_output import ForwardOutput
 from kestrel.spec.accept import Acceptance, accept_sampling
 from kestrel.spec.tree import DraftTree
 

@@ -84,7 +84,7 @@ def test_routing_table_for_every_forward_mode(tiny_model, case, spec_mode):
     hybrid = HybridBackend(Stub(pair.prefill + "#p"), Stub(pair.decode + "#d"), spec_mode)
     expected = {
         ForwardMode.EXTEND: "#p", ForwardMode.MIXED: "#p", ForwardMode.DRAFT_EXTEND: "#p",
-        ForwardMode.DECODE: "#d", ForwardMode.IDLE: "#d",
+        ForwardMode.DECODE: "#d",
         ForwardMode.TARGET_VERIFY: "#d" if spec_mode == "decode" else "#p",
     }
     assert set(expected) == set(ForwardMode)

@@ -11,6 +11,7 @@ import torch
 from kestrel import Engine, SamplingParams
 from kestrel.config import EngineConfig
 from kestrel.core.forward_mode import ForwardMode
+from kestrel.models.base import ForwardModel
 from kestrel.runner.piecewise_graph import (PiecewiseGraphRunner, batch_fallback, piecewise_unavailable,
                                             token_buckets)
 from tests.e2e.conftest import assert_pool_full
@@ -169,4 +170,14 @@ def test_fallbacks(tiny_model):
     tp = dataclasses.replace(config(attention_backend="triton"),
                              parallel=dataclasses.replace(EngineConfig().parallel, tp_size=2))
     assert "tensor parallelism" in piecewise_unavailable(tp, llama, cuda)
-    assert "Llama family" in piecewise_unavailable(config(attention_backend="triton"), torch.nn.Linear(2, 2), cuda)
+    assert "Llama family" in piecewise_unavailable(config(attention_backend="triton"), Unsegmented(), cuda)
+
+
+class Unsegmented(ForwardModel):
+    """A model that declares no segmented decoder (the default)."""
+
+    def forward(self, input_ids, positions, batch):
+        raise NotImplementedError
+
+    def compute_logits(self, hidden):
+        raise NotImplementedError

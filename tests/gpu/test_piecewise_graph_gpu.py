@@ -7,7 +7,7 @@ import torch
 
 from kestrel import Engine, SamplingParams
 from kestrel.core.forward_mode import ForwardMode
-from kestrel.runner.model_runner import ForwardOutput
+from kestrel.core.forward_output import ForwardOutput
 from tests.e2e.test_engine import prompts_with_shared_prefixes
 from tests.tiny_models import make_tiny_model
 

@@ -142,7 +142,7 @@ def load_v4_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, torch.Tens
     """
     state = model.state_dict(keep_vars=True)
     state = {k: v.data for k, v in state.items()}
-    parallel = getattr(model, "parallel", ParallelState())
+    parallel = model.parallel
     n_experts = model.config.n_routed_experts
     first_expert = {name: m.first for name, m in model.named_modules() if isinstance(m, Experts)}
     loaded: set[str] = set()

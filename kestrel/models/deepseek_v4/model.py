@@ -17,6 +17,7 @@ from kestrel.core.forward_batch import ForwardBatch
 from kestrel.distributed.parallel_state import ParallelState
 from kestrel.layers.kernels import Kernels
 from kestrel.layers.norm import RMSNorm
+from kestrel.models.base import CausalLM
 from kestrel.models.deepseek_v4.block import V4Block
 from kestrel.models.deepseek_v4.config import V4Config, parse_v4_config
 from kestrel.models.deepseek_v4.kv_layout import v4_kv_layout
@@ -25,20 +26,20 @@ from kestrel.models.deepseek_v4.mhc import hc_head, hc_site_params
 from kestrel.models.deepseek_v4.mtp import MTPLayer
 
 
-class DeepseekV4ForCausalLM(nn.Module):
+class DeepseekV4ForCausalLM(CausalLM):
     """forward: input_ids [T], positions [T] -> final hidden [T, d] (hc_head, then norm);
     compute_logits: hidden [N, d] -> float32 logits [N, vocab]. `forward_streams` returns the
     pre-hc_head streams [T, hc_mult, d] instead: the MTP layer's input (`draft_forward`). A batch
     that asks for `capture_hidden == (num_hidden_layers,)` (the input of the layer after the last: the
-    MTP layer's) gets those streams, flat [T, hc_mult * d], as its `captured_hidden`."""
+    MTP layer's) gets those streams, flat [T, hc_mult * d], as its `captured_hidden`. It reads its own
+    checkpoint (`loading.py`); its prefills run eagerly; no EAGLE head drafts for it (NEXTN does)."""
 
     parse_config = staticmethod(parse_v4_config)
+    loads_own_checkpoint = True
 
     def __init__(self, cfg: V4Config, kernels: Kernels = Kernels(), parallel: ParallelState = ParallelState()) -> None:
-        super().__init__()
+        super().__init__(cfg, parallel)
         del kernels  # V4 runs its own torch ops; the fused Llama kernels do not apply
-        self.parallel = parallel
-        self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             V4Block(cfg, i, cfg.compress_ratios[i], hash_routing=i < cfg.num_hash_layers, parallel=parallel)
@@ -51,6 +52,9 @@ class DeepseekV4ForCausalLM(nn.Module):
     def kv_layout(self, dtype: torch.dtype, speculative_tokens: int = 1) -> KVLayout:
         """The main layers' KV; a NEXTN draft's pools hold the MTP layer's (`mtp_kv_layout`)."""
         return v4_kv_layout(self.config, dtype, speculative_tokens)
+
+    def input_embedding(self) -> nn.Module:
+        return self.embed
 
     def load_checkpoint(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         load_v4_checkpoint(self, tensors, source)

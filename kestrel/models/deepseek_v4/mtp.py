@@ -9,11 +9,12 @@ import torch
 from torch import nn
 
 from kestrel.core.forward_batch import ForwardBatch
+from kestrel.distributed.parallel_state import ParallelState
 from kestrel.layers.norm import RMSNorm
+from kestrel.models.base import FeatureDraft
+from kestrel.models.deepseek_v4.block import V4Block
 from kestrel.models.deepseek_v4.config import V4Config
 from kestrel.models.deepseek_v4.mhc import hc_head, hc_site_params
-from kestrel.distributed.parallel_state import ParallelState
-from kestrel.models.deepseek_v4.block import V4Block
 
 
 class MTPLayer(V4Block):
@@ -40,7 +41,7 @@ class MTPLayer(V4Block):
         return self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg))
 
 
-class MTPDraft(nn.Module):
+class MTPDraft(FeatureDraft):
     """A DeepSeek-V4 target's MTP layer as a NEXTN feature draft, in the shape a ModelRunner runs.
 
     forward(input_ids, positions, batch): the tokens at t + 1 and, in `batch.spec_features`, streams at
