@@ -46,7 +46,7 @@ def explain_plan(config: "EngineConfig") -> str:
 
 def _speculative_lines(config: "EngineConfig") -> list[str]:
     """The draft side of the plan, when an algorithm is set: its shape and the draft backends."""
-    from kestrel.spec.draft_backends import draft_backend_plan
+    from kestrel.speculative.draft_backends import draft_backend_plan
 
     spec = config.speculative
     if spec.speculative_algorithm is None:

@@ -18,7 +18,7 @@ import torch
 from kestrel.config import EngineConfig
 from kestrel.distributed.parallel_state import ParallelState, destroy_parallel, init_parallel, rank_device
 from kestrel.distributed.step_command import StepCommand
-from kestrel.engine.sampler import Sampler, SamplingBatch, sampled_logits
+from kestrel.sampling.sampler import Sampler, SamplingBatch, sampled_logits
 from kestrel.runner.build import RunnerParts, build_runner
 from kestrel.runner.model_runner import triton_on_device
 

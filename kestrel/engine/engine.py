@@ -24,7 +24,7 @@ from kestrel.core.sampling_params import SamplingParams, UnsupportedParamError
 from kestrel.engine import prompt_logprobs
 from kestrel.engine.detokenizer import OutputText
 from kestrel.engine.grammar import GrammarBackend, GrammarLimits, GrammarState
-from kestrel.engine.sampler import PendingSample, Sampler, SamplingBatch, sampled_logits
+from kestrel.sampling.sampler import PendingSample, Sampler, SamplingBatch, sampled_logits
 from kestrel.engine.scheduler import Scheduler
 from kestrel.engine.tokenizer import eos_token_ids, load_tokenizer
 from kestrel.distributed.parallel_state import ParallelState, rank_device
@@ -32,8 +32,8 @@ from kestrel.distributed.ranks import TPRanks
 from kestrel.progress import progress_bar
 from kestrel.runner.build import build_runner
 from kestrel.runner.model_runner import triton_on_device
-from kestrel.spec.draft_worker import DraftWorker
-from kestrel.spec.ngram_worker import NgramWorker
+from kestrel.speculative.draft_worker import DraftWorker
+from kestrel.speculative.ngram_worker import NgramWorker
 
 logger = logging.getLogger(__name__)
 

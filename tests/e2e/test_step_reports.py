@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import kestrel.spec.draft_worker
-import kestrel.spec.ngram_worker
+import kestrel.speculative.draft_worker
+import kestrel.speculative.ngram_worker
 from kestrel import Engine, SamplingParams
-from kestrel.spec.tree import DraftTree, ancestor_mask
+from kestrel.speculative.tree import DraftTree, ancestor_mask
 from tests.e2e.conftest import assert_pool_full
 from tests.model import dsv4_reference as ref
 from tests.model.test_llama_eagle import make_eagle, make_eagle3
@@ -99,7 +99,7 @@ def use_oracle_drafts(monkeypatch, continuations: dict[tuple[int, ...], list[int
 
         def oracle_verify(scheduler, runner, batch, tree, *args, **kwargs):
             tokens, parents, depths = tree.tokens.clone(), tree.parents, tree.depths
-            if module is kestrel.spec.ngram_worker:
+            if module is kestrel.speculative.ngram_worker:
                 n = tokens.shape[1]
                 parents = torch.arange(-1, n - 1).expand_as(tokens).clone()
                 depths = torch.arange(n).expand_as(tokens).clone()
@@ -114,8 +114,8 @@ def use_oracle_drafts(monkeypatch, continuations: dict[tuple[int, ...], list[int
 
         monkeypatch.setattr(module, "verify_tree", oracle_verify)
 
-    patch(kestrel.spec.draft_worker)
-    patch(kestrel.spec.ngram_worker)
+    patch(kestrel.speculative.draft_worker)
+    patch(kestrel.speculative.ngram_worker)
 
 
 def drive(engine: Engine, requests: list[tuple[int, SamplingParams]], batch: int) -> list[tuple[list[int], str]]:

@@ -10,7 +10,7 @@ from kestrel.attention import registry
 from kestrel.attention.torch_native import TorchNativeBackend
 from kestrel.cli import main
 from kestrel.config import EngineConfig
-from kestrel.spec.draft_backends import create_draft_backends, draft_backend_plan
+from kestrel.speculative.draft_backends import create_draft_backends, draft_backend_plan
 
 POOLS, REQ_TO_TOKEN = object(), object()  # opaque: the factory hands them to the backends untouched
 

@@ -5,7 +5,7 @@ the end of a step the draft's KV covers exactly the positions with target KV, an
 holds, per request row, its output at the last position (its feature and top-k: the next round's
 first tree level). A round over the running requests:
 1. draft: `DraftLanes` grows each request's tree from the root (the last committed token);
-2. TARGET_VERIFY of the tree, acceptance, KV rollback (`kestrel.spec.verify`);
+2. TARGET_VERIFY of the tree, acceptance, KV rollback (`kestrel.speculative.verify`);
 3. DRAFT_EXTEND over the committed tokens, in their kept slots, reading the target's features there;
 then the engine resolves the committed tokens (stop conditions mid-path drop what follows a stop).
 Prefill chunks and plain decode steps (speculation off above `speculative_disable_batch_size`) run
@@ -24,16 +24,16 @@ import torch.nn.functional as F
 from kestrel.attention.registry import REGISTRY
 from kestrel.core.batch import ScheduledBatch
 from kestrel.core.forward_mode import ForwardMode
-from kestrel.engine.sampler import SamplingBatch
+from kestrel.sampling.sampler import SamplingBatch
 from kestrel.runner.model_runner import DeviceInputs, ForwardOutput, ModelRunner
-from kestrel.spec.draft_backends import create_draft_backends
-from kestrel.spec.draft_lanes import DraftLanes
-from kestrel.spec.draft_model import Draft
-from kestrel.spec.resolve import draft_forwards
+from kestrel.speculative.draft_backends import create_draft_backends
+from kestrel.speculative.draft_lanes import DraftLanes
+from kestrel.speculative.draft_model import Draft
+from kestrel.speculative.resolve import draft_forwards
 from kestrel.runner.bucket_graphs import BucketGraphs
-from kestrel.spec.accept import accept_greedy
-from kestrel.spec.tree import DraftTree
-from kestrel.spec.verify import Verified, verify_tree
+from kestrel.speculative.accept import accept_greedy
+from kestrel.speculative.tree import DraftTree
+from kestrel.speculative.verify import Verified, verify_tree
 
 _NO_WRITES = torch.empty(3, 0, dtype=torch.int64)
 _NO_MOVES = torch.empty(2, 0, dtype=torch.int64)

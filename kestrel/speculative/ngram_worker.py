@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from kestrel.core.batch import ScheduledBatch
 from kestrel.core.forward_mode import ForwardMode
-from kestrel.engine.sampler import SamplingBatch
-from kestrel.spec.ngram import propose_ngram
-from kestrel.spec.verify import Verified, verify_tree
+from kestrel.sampling.sampler import SamplingBatch
+from kestrel.speculative.ngram import propose_ngram
+from kestrel.speculative.verify import Verified, verify_tree
 
 
 class NgramWorker:

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from kestrel.core.batch import ScheduledBatch
-from kestrel.engine.sampler import SamplingBatch
+from kestrel.sampling.sampler import SamplingBatch
 from kestrel.runner.model_runner import DeviceInputs, ForwardOutput
-from kestrel.spec.accept import Acceptance, accept_sampling
-from kestrel.spec.tree import DraftTree
+from kestrel.speculative.accept import Acceptance, accept_sampling
+from kestrel.speculative.tree import DraftTree
 
 
 @dataclass
@@ -35,7 +35,7 @@ def verify_tree(scheduler, runner, batch: ScheduledBatch, tree: DraftTree, conte
                 sampling: SamplingBatch, greedy_graphs=None) -> Verified:
     """Score `tree` (on the runner's device) for `batch` (a TARGET_VERIFY from the scheduler, whose
     requests' sampled tokens are all resolved), accept, commit the batch and roll the KV back.
-    `greedy_graphs` (kestrel.spec.draft_worker): greedy acceptance as CUDA graphs, for all-greedy batches."""
+    `greedy_graphs` (kestrel.speculative.draft_worker): greedy acceptance as CUDA graphs, for all-greedy batches."""
     reqs, n = batch.reqs, tree.tokens.shape[1]
     device = runner.device
     prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64).to(device, non_blocking=True)
