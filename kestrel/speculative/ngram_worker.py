@@ -9,31 +9,45 @@ while speculating.
 """
 from __future__ import annotations
 
+from kestrel.config import SpeculativeConfig
 from kestrel.core.batch import ScheduledBatch
 from kestrel.core.forward_mode import ForwardMode
 from kestrel.sampling.sampler import SamplingBatch
 from kestrel.speculative.ngram import propose_ngram
-from kestrel.speculative.verify import Verified, verify_tree
+from kestrel.speculative.verify import CommitPlan, verify_tree
 
 
 class NgramWorker:
-    def __init__(self, scheduler, runner, num_steps: int, topk: int, num_draft_tokens: int,
-                 eos_token_ids: set[int]) -> None:
-        self.scheduler = scheduler
+    """A `SpeculativeWorker` (kestrel.speculative.worker) without a draft model."""
+
+    target_capture: tuple[int, ...] = ()
+    has_draft_kv = False
+
+    def __init__(self, spec: SpeculativeConfig, runner, eos_token_ids: set[int]) -> None:
         self.runner = runner
-        self.num_steps, self.topk, self.num_draft = num_steps, topk, num_draft_tokens
+        self.num_steps, self.topk = spec.speculative_num_steps, spec.speculative_eagle_topk
+        self.num_draft, self.disable_batch_size = spec.speculative_num_draft_tokens, spec.speculative_disable_batch_size
         self.eos_token_ids = eos_token_ids
         self.context_length = runner.config.model.context_length
         self.accept_lengths: list[int] = []  # tokens committed per request-round
-        runner.capture_graphs(ForwardMode.TARGET_VERIFY, num_draft_tokens)
+        runner.capture_graphs(ForwardMode.TARGET_VERIFY, self.num_draft)
 
-    def verify(self, batch: ScheduledBatch) -> Verified:
-        """One round for `batch` (from `schedule(decode_tokens=num_draft)`); the caller resolves."""
+    def decode_tokens(self, num_running: int) -> int:
+        return 1 if num_running > self.disable_batch_size else self.num_draft
+
+    def verify(self, batch: ScheduledBatch) -> CommitPlan:
+        """One round for `batch` (from `schedule(decode_tokens=num_draft)`); the step loop commits it."""
         assert batch.mode is ForwardMode.TARGET_VERIFY
         reqs = batch.reqs
         draft = propose_ngram([r.fill_ids for r in reqs], self.num_draft, max_depth=self.num_steps,
                               max_breadth=self.topk, device=self.runner.device)
         sampling = SamplingBatch.from_requests(reqs, self.runner.vocab_size, self.eos_token_ids, self.runner.device)
-        verified = verify_tree(self.scheduler, self.runner, batch, draft.tree, self.context_length, sampling)
-        self.accept_lengths += verified.counts
-        return verified
+        plan = verify_tree(self.runner, batch, draft.tree, self.context_length, sampling)
+        self.accept_lengths += plan.counts
+        return plan
+
+    def after_forward(self, batch: ScheduledBatch, out, sampled_rows: list[int], futures: list[int]) -> None:
+        """Nothing to catch up: the proposals come from the request's own tokens."""
+
+    def after_commit(self, batch: ScheduledBatch, plan: CommitPlan, writes, moves) -> None:
+        """Not called: without draft KV the rollback's changes ride with the next target batch."""

@@ -94,7 +94,7 @@ def test_tree_lanes_draft_what_the_target_predicts(models, monkeypatch):
 
     def recording_verify(*args, **kwargs):
         verified = worker_module.verify_tree.__wrapped__(*args, **kwargs)
-        rounds.append((args[3], verified.target.logits))
+        rounds.append((args[2], verified.target.logits))
         return verified
 
     recording_verify.__wrapped__ = worker_module.verify_tree

@@ -97,7 +97,7 @@ def use_oracle_drafts(monkeypatch, continuations: dict[tuple[int, ...], list[int
     def patch(module):
         verify_tree = module.verify_tree
 
-        def oracle_verify(scheduler, runner, batch, tree, *args, **kwargs):
+        def oracle_verify(runner, batch, tree, *args, **kwargs):
             tokens, parents, depths = tree.tokens.clone(), tree.parents, tree.depths
             if module is kestrel.speculative.ngram_worker:
                 n = tokens.shape[1]
@@ -110,7 +110,7 @@ def use_oracle_drafts(monkeypatch, continuations: dict[tuple[int, ...], list[int
                     tokens[b, node] = seq[pos] if pos < len(seq) else 0
             depth = int(depths.max())
             tree = DraftTree(tokens, parents, depths, ancestor_mask(parents, depth), depth)
-            return verify_tree(scheduler, runner, batch, tree, *args, **kwargs)
+            return verify_tree(runner, batch, tree, *args, **kwargs)
 
         monkeypatch.setattr(module, "verify_tree", oracle_verify)
 
