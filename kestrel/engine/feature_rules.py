@@ -17,7 +17,7 @@ _GRAMMARS = "grammars (json_schema, regex, ebnf, structural_tag)"
 
 @dataclass(frozen=True)
 class FeatureRule:
-    engine_feature: str
+    engine_feature: str  # the engine flags that turn it on
     request_features: str
     why: str
     applies: Callable[["EngineConfig"], bool]  # the engine feature is on
@@ -44,27 +44,27 @@ def _grammar_field(params: SamplingParams) -> str | None:
 
 RULES: tuple[FeatureRule, ...] = (
     FeatureRule(
-        "speculative decoding", "repetition/frequency/presence penalties, min_new_tokens",
+        "speculative_algorithm set", "repetition/frequency/presence penalties, min_new_tokens",
         "both change the target's distribution per node by the tokens before it, which differ along the "
         "draft tree; not applied there yet",
         _speculating, lambda p: (p.penalties or ["min_new_tokens"])[0] if p.penalties or p.min_new_tokens else None,
         lambda field: "with speculative decoding, repetition/frequency/presence penalties and min_new_tokens are "
                       f"not supported; unset {field} or serve without speculative_algorithm"),
     FeatureRule(
-        "speculative decoding", _GRAMMARS,
+        "speculative_algorithm set", _GRAMMARS,
         "a grammar's mask depends on the tokens before each node too (one matcher per tree path)",
         _speculating, _grammar_field,
         lambda field: f"with speculative decoding, {_GRAMMARS} are not supported yet; drop {field} or serve "
                       "without speculative_algorithm"),
     FeatureRule(
-        "speculative decoding", "prompt_logprobs",
+        "speculative_algorithm set", "prompt_logprobs",
         "a draft's DRAFT_EXTEND after each prefill chunk reads the token after it, which a prompt that is "
         "only scored never samples; scoring gains nothing from speculation anyway",
         _speculating, lambda p: "prompt_logprobs" if p.prompt_logprobs is not None else None,
         lambda field: "with speculative decoding, prompt_logprobs are not supported; serve scoring requests "
                       "without speculative_algorithm"),
     FeatureRule(
-        "tensor parallelism", _GRAMMARS,
+        "tp_size > 1", _GRAMMARS,
         "a grammar's mask is filled on rank 0 after the previous step resolves; the other ranks would need "
         "it sent",
         _tensor_parallel, _grammar_field,

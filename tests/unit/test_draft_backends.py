@@ -123,7 +123,9 @@ def test_explain_shows_the_draft_backends(dirs, capsys):
     assert main(["explain", "--model", dirs["target"], "--device", "cpu", "--speculative-algorithm", "NGRAM"]) == 0
     assert "draft backends: none (NGRAM" in capsys.readouterr().out
     assert main(["explain", "--model", dirs["target"], "--device", "cpu"]) == 0
-    assert "speculative decoding" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "speculative decoding" not in out
+    assert "[off] speculative_algorithm set x prompt_logprobs" in out
 
 
 @pytest.fixture
