@@ -80,7 +80,7 @@ class AttentionConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """SGLang's speculative flags; `kestrel.spec.resolve.resolve_speculative` fills and checks them."""
+    """SGLang's speculative flags; `kestrel.speculative.resolve.resolve_speculative` fills and checks them."""
 
     speculative_algorithm: str | None = None  # EAGLE, EAGLE3, NEXTN, STANDALONE or NGRAM
     speculative_draft_model_path: str | None = None  # a folder or bundled name; NEXTN: the target's
@@ -201,8 +201,8 @@ class EngineConfig:
         from kestrel.attention.registry import attention_backends
         from kestrel.distributed.resolve import check_parallel
         from kestrel.quant.resolve import resolve_quantization
-        from kestrel.spec.draft_backends import draft_backend_plan
-        from kestrel.spec.resolve import resolve_speculative
+        from kestrel.speculative.draft_backends import draft_backend_plan
+        from kestrel.speculative.resolve import resolve_speculative
 
         if not self.model.model:
             raise ValueError("model is required: a Hugging Face model folder")

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kestrel import Engine, SamplingParams  # noqa: E402
-from kestrel.engine.sampler import SamplingBatch  # noqa: E402
+from kestrel.sampling.sampler import SamplingBatch  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 
 

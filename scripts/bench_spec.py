@@ -114,7 +114,7 @@ def step_times(engine: Engine, bs: int, rounds: int) -> dict:
         engine.step()
     for _ in range(3):
         engine.step()
-    worker = engine.draft_worker
+    worker = engine.spec_worker if engine.spec_worker is not None and engine.spec_worker.has_draft_kv else None
     runners = [engine.runner] + ([worker.runner] if worker else [])
     draft_events: list = []
     if worker:

@@ -1,4 +1,5 @@
-"""The resolved attention plan in words: `kestrel explain` prints it, start-up logs it at debug level."""
+"""The resolved attention plan in words, and the request features the engine refuses with it:
+`kestrel explain` prints it, start-up logs it at debug level."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -7,6 +8,7 @@ from kestrel.attention.decisions import DECISIONS, cuda_graph_backends
 from kestrel.attention.hybrid import serving_half
 from kestrel.attention.registry import ALIASES, default_backend, resolve_sources
 from kestrel.core.forward_mode import ForwardMode
+from kestrel.engine.feature_rules import explain_rules
 
 if TYPE_CHECKING:
     from kestrel.config import EngineConfig
@@ -41,12 +43,13 @@ def explain_plan(config: "EngineConfig") -> str:
         lines.append(f"  {d.name:<22} reads {d.reads:<40} -> {d.fn(config)!r}   [{d.used_by}]")
     lines.append(f"\n(default backends for this device: prefill {default_backend(config, 'prefill')}, "
                  f"decode {default_backend(config, 'decode')})")
+    lines += [""] + explain_rules(config)
     return "\n".join(lines)
 
 
 def _speculative_lines(config: "EngineConfig") -> list[str]:
     """The draft side of the plan, when an algorithm is set: its shape and the draft backends."""
-    from kestrel.spec.draft_backends import draft_backend_plan
+    from kestrel.speculative.draft_backends import draft_backend_plan
 
     spec = config.speculative
     if spec.speculative_algorithm is None:

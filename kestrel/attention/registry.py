@@ -47,7 +47,7 @@ class BackendEntry:
     piecewise_cuda_graph: bool = False
     serves: frozenset[str] = field(default_factory=lambda: frozenset({"prefill", "decode"}))
     dsv4: bool = False  # serves DeepSeek-V4's window + compressed sparse attention, and only that
-    # What it can serve for a draft model (kestrel.spec.draft_backends): "decode", the multi-step draft
+    # What it can serve for a draft model (kestrel.speculative.draft_backends): "decode", the multi-step draft
     # decode (each step's lanes attend to the prefix and their own earlier draft tokens), and "extend".
     draft_modes: frozenset[str] = field(default_factory=lambda: frozenset({"decode", "extend"}))
 

@@ -45,7 +45,7 @@ class ForwardBatch:
     tree_mask_starts: torch.Tensor | None = None  # [B] int64
     capture_hidden: tuple[int, ...] = ()  # layers whose input hidden state the model keeps, in this order
     captured_hidden: torch.Tensor | None = None  # set by the model: [T, hidden * len(capture_hidden)]
-    spec_features: torch.Tensor | None = None  # [T, F]: a draft head's feature input (kestrel.spec)
+    spec_features: torch.Tensor | None = None  # [T, F]: a draft head's feature input (kestrel.speculative)
 
     @property
     def batch_size(self) -> int:

@@ -19,8 +19,9 @@ from kestrel.config import EngineConfig
 from kestrel.distributed.parallel_state import ParallelState, destroy_parallel, init_parallel, rank_device
 from kestrel.distributed.step_command import StepCommand
 from kestrel.engine.cpu_threads import configure_cpu_threads
-from kestrel.engine.sampler import Sampler, SamplingBatch, sampled_logits
-from kestrel.runner.build import RunnerParts, build_runner
+from kestrel.engine.device_step import DeviceStep
+from kestrel.sampling.sampler import Sampler
+from kestrel.runner.build import build_runner
 from kestrel.runner.model_runner import triton_on_device
 
 logger = logging.getLogger("kestrel.rank")
@@ -42,7 +43,9 @@ def rank_main(config: EngineConfig, tp_rank: int, address: str, eos_token_ids: s
         par = config.parallel
         parallel = init_parallel(tp_rank, par.tp_size, par.ep_size, address, device)
         parts = build_runner(config, device, parallel)
-        RankLoop(parts, parallel, eos_token_ids, device, Sampler(triton_argmax=triton_on_device(config))).run()
+        sampler = Sampler(triton_argmax=triton_on_device(config))
+        device_step = DeviceStep(parts.runner, sampler, parts.model.config.vocab_size, eos_token_ids, device)
+        RankLoop(device_step, parallel).run()
         destroy_parallel(parallel)
     except Exception:
         logger.exception("tensor-parallel rank %d failed; exiting (rank 0 stops the engine)", tp_rank)
@@ -61,26 +64,17 @@ def _exit_with_parent(parent_alive: Connection, tp_rank: int) -> None:
 
 
 class RankLoop:
-    def __init__(self, parts: RunnerParts, parallel: ParallelState, eos_token_ids: set[int],
-                 device: torch.device, sampler: Sampler) -> None:
-        self.parts = parts
+    def __init__(self, device_step: DeviceStep, parallel: ParallelState) -> None:
+        self.device_step = device_step
         self.parallel = parallel
-        self.eos_token_ids = eos_token_ids
-        self.device = device
-        self.sampler = sampler
-        self.vocab_size = parts.model.config.vocab_size
 
     def run(self) -> None:
         while (cmd := self.parallel.broadcast()) is not None:
             self.step(cmd)
 
     def step(self, cmd: StepCommand) -> None:
-        """What rank 0's Engine._launch does for the device: the forward, then the sample."""
-        out = self.parts.runner.forward(cmd.batch)
-        if not cmd.rows:
-            return
-        logits = sampled_logits(out.logits, cmd.logit_rows)
-        # SamplingRow carries every Request field from_requests reads.
-        sampling = SamplingBatch.from_requests(cmd.rows, self.vocab_size, self.eos_token_ids, self.device)
-        pending = self.sampler.sample(logits, sampling)
-        self.parts.future_tokens.write(cmd.futures, pending.token_ids)
+        """The device half of rank 0's step: the forward, then the sample (its SamplingRows carry every
+        Request field the sampler reads)."""
+        forwarded = self.device_step.forward(cmd.batch, cmd.rows, cmd.logit_rows)
+        if cmd.rows:
+            self.device_step.sample(forwarded, cmd.futures)

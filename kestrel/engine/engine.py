@@ -1,62 +1,43 @@
-"""Engine: offline generation in-process. Owns tokenizer, scheduler, model runner and sampler."""
+"""Engine: offline generation in-process, and the facade the server's engine process drives.
+
+It validates and queues requests, runs steps (the step loop, step_loop.py, owns what a step does),
+reports what each request got, formats outputs and owns the lifecycle of tokenizer, scheduler,
+model runner, speculative worker and tensor-parallel ranks."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import numbers
 import random
-import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
-
-import torch
 
 from kestrel.cache.radix import RadixCache
 from kestrel.config import EngineConfig
-from kestrel.core.batch import ScheduledBatch
-from kestrel.core.forward_mode import ForwardMode
 from kestrel.core.outputs import EngineStats, RequestOutput, StepInfo
 from kestrel.core.request import Request
-from kestrel.core.sampling_params import SamplingParams, UnsupportedParamError
-from kestrel.engine import prompt_logprobs
-from kestrel.engine.detokenizer import OutputText
-from kestrel.engine.grammar import GrammarBackend, GrammarLimits, GrammarState
-from kestrel.engine.sampler import PendingSample, Sampler, SamplingBatch, sampled_logits
-from kestrel.engine.scheduler import Scheduler
-from kestrel.engine.tokenizer import eos_token_ids, load_tokenizer
+from kestrel.core.sampling_params import SamplingParams
 from kestrel.distributed.parallel_state import ParallelState, rank_device
 from kestrel.distributed.ranks import TPRanks
+from kestrel.engine.detokenizer import OutputText
+from kestrel.engine.device_step import DeviceStep
+from kestrel.engine.feature_rules import check_request
+from kestrel.engine.grammar import GrammarBackend, GrammarLimits, GrammarState
+from kestrel.engine.scheduler import Scheduler
+from kestrel.engine.step_loop import StepLoop
+from kestrel.engine.tokenizer import eos_token_ids, load_tokenizer
 from kestrel.progress import progress_bar
 from kestrel.runner.build import build_runner
 from kestrel.runner.model_runner import triton_on_device
-from kestrel.spec.draft_worker import DraftWorker
-from kestrel.spec.ngram_worker import NgramWorker
+from kestrel.sampling.sampler import Sampler
+from kestrel.speculative.worker import create_worker
 
 logger = logging.getLogger(__name__)
 
 # A step with nothing to run but grammars compiling waits this long for one of them (then returns, so
 # a caller such as the server's loop can take new requests in).
 GRAMMAR_WAIT_S = 0.02
-
-
-@dataclass
-class _Launched:
-    """A batch on the device: its sampled requests, their FutureTokens indices, the sample's host copy;
-    its prompt logprobs on their way to the host, and the requests it prefilled with nothing to sample.
-
-    Until `sample` is set, the batch's forward is launched but not its sampling (which waits for the
-    grammar masks, see `step`): `logits` and `sampling` are its inputs, `futures` are reserved."""
-
-    reqs: list[Request]
-    futures: list[int]
-    sample: PendingSample | None
-    logits: torch.Tensor | None = None
-    sampling: SamplingBatch | None = None
-    prompt: prompt_logprobs.PendingPromptLogprobs | None = None
-    prefill_only: list[Request] = dataclasses.field(default_factory=list)
 
 
 class Engine:
@@ -68,7 +49,6 @@ class Engine:
         elif model or kwargs:
             raise TypeError("pass either config or model/engine options, not both")
         self.config = config = config.resolve()
-        spec = config.speculative
         if config.parallel.node_rank > 0:
             raise ValueError("node_rank > 0 runs only that node's tensor-parallel ranks, not an engine: start it "
                              "with `kestrel serve --node-rank N ...` (node 0 runs the engine)")
@@ -112,22 +92,16 @@ class Engine:
         self.sampler = Sampler(triton_argmax=triton_on_device(config))
         self._seed_rng = random.Random(sched.random_seed)
         self._arrivals = itertools.count()
-        self._texts: dict[str, OutputText] = {}
+        self._texts = self.scheduler.finisher.texts  # rid -> OutputText, for requests with stop strings
         self._reqs: dict[str, Request] = {}
         self._streamed: dict[str, int] = {}  # rid -> output tokens already returned by step_deltas()
-        self._inflight: _Launched | None = None  # launched batch whose sampled tokens are not applied yet
-        self._step_hooks: list[Callable[[StepInfo], None]] = []
         self.grammars: GrammarBackend | None = None  # made by the first request with a grammar
         self._compiling: list[Request] = []  # added, not scheduled: waiting for their grammar to compile
-        self.spec_worker: NgramWorker | DraftWorker | None = None
-        if spec.speculative_algorithm == "NGRAM":
-            self.spec_worker = NgramWorker(self.scheduler, self.runner, spec.speculative_num_steps,
-                                           spec.speculative_eagle_topk, spec.speculative_num_draft_tokens,
-                                           self.eos_token_ids)
-        elif draft is not None:
-            self.spec_worker = DraftWorker(config, self.scheduler, self.runner, draft, self.kv_memory, future_tokens,
-                                           self.eos_token_ids)
-        self.draft_worker = self.spec_worker if draft is not None else None
+        # EAGLE, EAGLE-3, NEXTN, STANDALONE or NGRAM: one worker behind the step loop's seam
+        self.spec_worker = create_worker(config, self.runner, draft, self.kv_memory, future_tokens,
+                                         self.eos_token_ids)
+        device_step = DeviceStep(self.runner, self.sampler, self.vocab_size, self.eos_token_ids, self.device)
+        self.loop = StepLoop(config, self.scheduler, device_step, self.spec_worker, self.ranks)
 
     @property
     def max_req_len(self) -> int:
@@ -140,13 +114,7 @@ class Engine:
         """Validate and queue one request; returns its id. Raises ValueError on bad input."""
         params = sampling_params or SamplingParams()
         params.validate(self.vocab_size)
-        if self.spec_worker is not None:
-            self._check_speculative(params)
-        if self.ranks is not None and params.grammar is not None:
-            # Its mask is filled on rank 0 after the previous step resolves; the other ranks would need it sent.
-            raise UnsupportedParamError(params.grammar[0], f"with tensor parallelism (tp_size > 1), grammars "
-                                        f"(json_schema, regex, ebnf, structural_tag) are not supported yet; drop "
-                                        f"{params.grammar[0]} or serve with tp_size 1")
+        check_request(self.config, params)
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt (text) or prompt_token_ids")
         if prompt is not None:
@@ -180,20 +148,13 @@ class Engine:
         if self.tokenizer is not None and params.stop_strs:
             # Stop strings need the text as it grows; other requests are detokenized once, at the end.
             self._texts[rid] = OutputText(self.tokenizer, ids, params)
-        if params.max_new_tokens == 0 and params.prompt_logprobs is None:
-            self.scheduler.finish(req, "length")
-        elif grammar is not None and grammar.waiting:
+        if self.scheduler.finish_if_done(req):  # nothing to generate or to score, or an empty grammar
+            return rid
+        if grammar is not None and grammar.waiting:
             self._compiling.append(req)
         else:
-            self._queue(req)
-        return rid
-
-    def _queue(self, req: Request) -> None:
-        """Hand a request whose grammar (if any) is compiled to the scheduler."""
-        if req.grammar is not None and req.grammar.ended():  # a grammar of the empty string only
-            self.scheduler.finish(req, "stop")
-        else:
             self.scheduler.add(req)
+        return rid
 
     def _admit_compiled(self) -> list[Request]:
         """Queue the requests whose grammar has compiled, and finish with "error" those whose grammar
@@ -201,7 +162,7 @@ class Engine:
         nothing else to run, first wait a little for a compile (no busy loop while one runs)."""
         if not self._compiling:
             return []
-        if not self.scheduler.has_work() and self._inflight is None:
+        if not self.loop.has_work():
             wait_futures([r.grammar.compiled for r in self._compiling], GRAMMAR_WAIT_S, FIRST_COMPLETED)
         failed, still = [], []
         for req in self._compiling:
@@ -210,33 +171,12 @@ class Engine:
             elif req.grammar.error is not None:
                 self.scheduler.finish(req, "error", error=str(req.grammar.error))
                 failed.append(req)
+            elif self.scheduler.finish_if_done(req):  # a grammar of the empty string only
+                failed.append(req)  # ended at once: reported like a failure, with its reason "stop"
             else:
-                self._queue(req)
-                if req.finished:
-                    failed.append(req)  # ended at once: reported like a failure, with its reason "stop"
+                self.scheduler.add(req)
         self._compiling = still
         return failed
-
-    @staticmethod
-    def _check_speculative(params: SamplingParams) -> None:
-        """UnsupportedParamError naming the first field speculative decoding cannot serve, if any."""
-        if params.penalties or params.min_new_tokens:
-            # Both change the target's distribution per node by the tokens before it, which differ along
-            # the draft tree; not applied there yet.
-            field = (params.penalties or ["min_new_tokens"])[0]
-            raise UnsupportedParamError(field, "with speculative decoding, repetition/frequency/presence penalties "
-                                        f"and min_new_tokens are not supported; unset {field} or serve without "
-                                        "speculative_algorithm")
-        if params.grammar is not None:
-            # A grammar's mask depends on the tokens before each node too (one matcher per tree path).
-            raise UnsupportedParamError(params.grammar[0], f"with speculative decoding, grammars (json_schema, regex, "
-                                        f"ebnf, structural_tag) are not supported yet; drop {params.grammar[0]} or "
-                                        "serve without speculative_algorithm")
-        if params.prompt_logprobs is not None:
-            # A draft's DRAFT_EXTEND after each prefill chunk reads the token after it, which a prompt that
-            # is only scored never samples; scoring gains nothing from speculation anyway.
-            raise UnsupportedParamError("prompt_logprobs", "with speculative decoding, prompt_logprobs are not "
-                                        "supported; serve scoring requests without speculative_algorithm")
 
     def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
         """The request's grammar matcher (compiled once per grammar); None without one. Raises ValueError."""
@@ -253,6 +193,7 @@ class Engine:
             except Exception as e:  # xgrammar cannot read this tokenizer: no grammar can be served
                 raise ValueError(f"{params.grammar[0]} cannot be served: xgrammar does not take this model's "
                                  f"tokenizer ({type(e).__name__}: {e})") from e
+            self.loop.grammars = self.grammars
         return self.grammars.state(params)
 
     def abort(self, rid: str) -> bool:
@@ -263,91 +204,23 @@ class Engine:
                 return True
         return self.scheduler.abort(rid) is not None
 
-    # ---- the loop ------------------------------------------------------------------------------
+    # ---- steps -------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._inflight is not None or bool(self._compiling)
+        return self.loop.has_work() or bool(self._compiling)
 
     def step(self) -> list[Request]:
-        """Run one batch; returns the requests that got a token or finished in this step, each once.
-
-        With overlap scheduling (the default) the step launches batch N+1 and then resolves batch N,
-        whose host work (stop checks, detokenizing, scheduling the next batch) overlaps batch N+1 on
-        the device; a request's token is returned one step after its forward is launched.
-
-        A grammar request's token mask needs its previous token accepted by its matcher, and that
-        token belongs to batch N. So a batch N+1 with grammar rows launches its forward, then batch N
-        is resolved (its tokens accepted, while the forward runs), then the masks are filled and
-        N+1 is sampled: masks are exact, overlap stays on, and no extra device sync is added.
-
-        A step that raises (the scheduler, the forward, the sampler) costs only the request whose data
-        fails: a single request finishes with finish_reason "error" and its KV is freed; several are put
-        back to run again one by one (`_fail_step`). A request's own host work on its tokens (a stop
-        check, its grammar) fails that request alone. Under tensor parallelism a failed step raises
-        RankFailedError instead: the ranks may be out of step (or one has died), so the engine cannot
-        go on; `shutdown()` still works.
-        """
-        start = time.perf_counter()
-        done: list[Request] = self._admit_compiled()
-        batch: ScheduledBatch | None = None
-        if self.ranks is not None:
-            self.ranks.check()
-        try:
-            if self._inflight is not None and not self._can_overlap():
-                done += self._resolve()
-            batch = self.scheduler.schedule(self._decode_tokens())
-            launched = None
-            if batch is not None and batch.mode is ForwardMode.TARGET_VERIFY:
-                done += self._verify(batch)  # resolved in the round itself
-            elif batch is not None:
-                launched = self._launch(batch)
-            if self._inflight is not None:
-                done += self._resolve()
-            if launched is not None and launched.sampling is not None:  # sampling left for the grammar masks
-                self._sample(launched)
-            self._inflight = launched
-            if launched is not None and self.config.scheduler.disable_overlap_schedule:
-                done += self._resolve()
-        except Exception as e:  # noqa: BLE001 - a failed step costs only its own requests
-            if self.ranks is not None:  # ... except under tensor parallelism: see TPRanks
-                self._fail_step(batch, e)
-                raise self.ranks.fatal(e) from e
-            done += self._fail_step(batch, e)
-        if batch is not None and self._step_hooks:
-            info = StepInfo(batch.mode.value, batch.batch_size, batch.num_tokens, time.perf_counter() - start)
-            for hook in self._step_hooks:
-                hook(info)
-        # A request can get tokens in two phases of one step: while speculating, the previous step's
-        # prefill resolves its first token and its first verify round follows at once (and may finish it).
-        return list(dict.fromkeys(done))
-
-    def _fail_step(self, batch: ScheduledBatch | None, error: Exception) -> list[Request]:
-        """The requests of the failed batch and of the one in flight (whose tokens may never arrive): one
-        alone finishes with an error. Several are put back as suspects (`Scheduler.suspect`), each to run
-        its prefill alone, so that only the one whose data fails finishes with an error and the others go
-        on with the tokens they would have had. Under tensor parallelism every one finishes with an error
-        (the engine stops). The scheduler forgets the half-built step."""
-        message = f"{type(error).__name__}: {error}"
-        inflight = self._inflight.reqs + self._inflight.prefill_only if self._inflight else []
-        reqs = [r for r in dict.fromkeys((batch.reqs if batch is not None else []) + inflight) if not r.finished]
-        self._inflight = None
-        self.scheduler.kv.drain()  # writes and slots of a batch that never ran
-        if len(reqs) > 1 and self.ranks is None:
-            logger.warning("an engine step of %d requests failed (%s); each runs again alone to find the one at "
-                           "fault", len(reqs), message, exc_info=logger.isEnabledFor(logging.DEBUG))
-            for req in reqs:
-                self.scheduler.suspect(req)
-            return []
-        logger.exception("engine step failed; its requests finish with an error")
-        for req in reqs:
-            self.scheduler.finish(req, "error", error=message)
-        return reqs
+        """Run one batch (see StepLoop); returns the requests that got a token or finished in this step,
+        each once, those whose grammar failed to compile included. Under tensor parallelism a failed step
+        raises RankFailedError; `shutdown()` still works after it."""
+        done = self._admit_compiled()
+        return list(dict.fromkeys(done + self.loop.step()))
 
     def add_step_hook(self, hook: Callable[[StepInfo], None]) -> None:
         """Call `hook(StepInfo)` after every step that ran a batch (benchmarks record steps with it)."""
-        self._step_hooks.append(hook)
+        self.loop.hooks.append(hook)
 
     def remove_step_hook(self, hook: Callable[[StepInfo], None]) -> None:
-        self._step_hooks.remove(hook)
+        self.loop.hooks.remove(hook)
 
     def stats(self) -> EngineStats:
         sched, alloc = self.scheduler, self.kv_memory.allocator
@@ -361,134 +234,6 @@ class Engine:
     def request(self, rid: str) -> Request | None:
         """The live state of a request this engine still tracks (read it, do not change it)."""
         return self._reqs.get(rid)
-
-    def _can_overlap(self) -> bool:
-        # Penalties are computed from the output tokens, so those must be on the host first (for every
-        # request the next batch may hold: a prefilling one joins the decodes in a MIXED step); a
-        # speculative round needs its requests' tokens to draft from.
-        # A suspect's solo step must resolve before the next batch launches, so that a failure in either is
-        # its own.
-        return not self.config.scheduler.disable_overlap_schedule and self.spec_worker is None and \
-            not self.scheduler.suspects and not any(r.params.has_penalties for r in self.scheduler.live())
-
-    def _decode_tokens(self) -> int:
-        """New positions per running request in the next decode step: a verify tree while speculating,
-        1 above the batch size where speculation stops paying (`speculative_disable_batch_size`)."""
-        spec = self.config.speculative
-        if self.spec_worker is None or len(self.scheduler.running) > spec.speculative_disable_batch_size:
-            return 1
-        return self.spec_worker.num_draft
-
-    def _launch(self, batch: ScheduledBatch) -> "_Launched | None":
-        """Forward and sample on the device, then commit the batch; nothing here waits for the device.
-        With a draft model, the draft's DRAFT_EXTEND over the same positions follows. Grammar rows whose
-        previous token is still in flight leave the sampling to `step` (no draft model then: speculative
-        decoding refuses grammars)."""
-        if self.draft_worker is not None:
-            batch.capture_hidden = self.draft_worker.target_capture
-        asks = prompt_logprobs.plan(batch)
-        batch.full_logits = tuple(ask.index for ask in asks)
-        rows = self.scheduler.sampling_rows(batch)
-        sampled = [batch.reqs[i] for i in rows]
-        logit_rows = rows
-        if asks:  # the logits hold every position of the scored chunks: take each request's last
-            spans = batch.logit_spans()
-            logit_rows = [spans[i][0] + spans[i][1] - 1 for i in rows]
-        futures = self.runner.future_tokens.reserve(len(sampled)) if sampled else []
-        if self.ranks is not None:  # the other ranks run the same forward and sample the same rows
-            self.ranks.step(batch, sampled, logit_rows, futures)
-        out = self.runner.forward(batch)
-        prompt = prompt_logprobs.launch(out.logits, batch, asks) if asks else None
-        launched = None
-        if sampled:
-            sampling = SamplingBatch.from_requests(sampled, self.vocab_size, self.eos_token_ids, self.device)
-            logits = sampled_logits(out.logits, logit_rows)
-            launched = _Launched(sampled, futures, None, logits, sampling)
-            if self._inflight is None or not any(r.grammar is not None for r in sampled):
-                self._sample(launched)
-        prefill_only = self.scheduler.commit(batch, sampled, [[f] for f in futures])
-        if self.draft_worker is not None:
-            self.draft_worker.extend_after(batch, out, rows, futures)
-        if prompt is not None or prefill_only:
-            launched = launched or _Launched([], [], None)
-            launched.prompt, launched.prefill_only = prompt, prefill_only
-        return launched
-
-    def _sample(self, launched: _Launched) -> None:
-        """Sample a launched batch, its grammar rows masked by their matchers as they are now."""
-        sampling = launched.sampling
-        live = [i for i, r in enumerate(launched.reqs) if r.grammar is not None and not r.finished]
-        if live:
-            mask = self.grammars.fill([launched.reqs[i].grammar for i in live])
-            sampling.grammar_rows = torch.tensor(live, dtype=torch.int64).to(self.device, non_blocking=True)
-            sampling.grammar_mask = mask.to(self.device, non_blocking=True)
-        pending = self.sampler.sample(launched.logits, sampling)
-        self.runner.future_tokens.write(launched.futures, pending.token_ids)
-        launched.sample, launched.logits, launched.sampling = pending, None, None
-
-    def _verify(self, batch: ScheduledBatch) -> list[Request]:
-        """A speculative round: its committed tokens (and their logprobs) join the requests at once."""
-        before = [len(r.output_ids) for r in batch.reqs]
-        verified = self.spec_worker.verify(batch)
-        got = set(map(id, self.scheduler.resolve(batch.reqs, verified.tokens)))
-        done = []
-        for req, start, count, logprobs, top in zip(batch.reqs, before, verified.counts, verified.logprobs,
-                                                    verified.top_logprobs):
-            req.spec_accept_counts[count] = req.spec_accept_counts.get(count, 0) + 1
-            if id(req) not in got:
-                continue
-            done.append(req)
-            try:
-                if logprobs is not None:
-                    new = len(req.output_ids) - start
-                    req.output_logprobs += logprobs[:new]
-                    req.output_top_logprobs += top[:new]
-                self._check_stop_strings(req, start)
-            except Exception as e:  # noqa: BLE001 - this request's own host work: it alone fails
-                self._fail_request_work(req, e)
-        return done
-
-    def _resolve(self) -> list[Request]:
-        """Wait for the in-flight batch's tokens and apply them."""
-        launched, self._inflight = self._inflight, None
-        done = []
-        if launched.sample is not None:
-            out = launched.sample.result()
-            got = set(map(id, self.scheduler.resolve(launched.reqs, [[t] for t in out.token_ids],
-                                                     [[f] for f in launched.futures])))
-            for req, logprob, top in zip(launched.reqs, out.logprobs, out.top_logprobs):
-                if id(req) not in got:
-                    continue
-                done.append(req)
-                try:
-                    if logprob is not None:
-                        req.output_logprobs.append(logprob)
-                        req.output_top_logprobs.append(top)
-                    self._advance_grammar(req)
-                    self._check_stop_strings(req, len(req.output_ids) - 1)
-                except Exception as e:  # noqa: BLE001 - this request's own host work: it alone fails
-                    self._fail_request_work(req, e)
-        if launched.prompt is not None:
-            launched.prompt.apply()
-        for req in launched.prefill_only:
-            if not req.finished:  # an aborted one was reported when it was aborted
-                self.scheduler.finish(req, "length")
-                done.append(req)
-        return done
-
-    def _fail_request_work(self, req: Request, error: Exception) -> None:
-        """A request's own host work on its new tokens (logprobs, grammar, stop strings) raised: its state
-        is half updated, so it finishes with an error; the batch goes on."""
-        logger.exception("request %s failed while taking its new tokens; it finishes with an error", req.rid)
-        self._finish_with_error(req, error)
-
-    def _finish_with_error(self, req: Request, error: Exception) -> None:
-        """finish_reason "error", also over a finish not reported yet (the failure comes after it)."""
-        message = f"{type(error).__name__}: {error}"
-        if req.finished:
-            req.finish_reason, req.matched_stop, req.error = "error", None, message
-        else:
-            self.scheduler.finish(req, "error", error=message)
 
     def step_deltas(self, touched: Iterable[str] = ()) -> list[tuple[Request, int]]:
         """One step (when there is work) for a caller that streams, such as the server's engine process.
@@ -527,7 +272,7 @@ class Engine:
         """After a bug in the bookkeeping around a step (reporting a request's news, outside the forward
         that `step` guards): finish `req` with finish_reason "error", free its KV and forget it, as a
         failed step would. Returns its last report for `step_deltas`' caller: no new tokens, the finish."""
-        self._finish_with_error(req, error)
+        self.scheduler.fail(req, error)
         self._streamed.pop(req.rid, None)
         self._texts.pop(req.rid, None)
         self._reqs.pop(req.rid, None)
@@ -536,41 +281,8 @@ class Engine:
     def fail_all(self, error: Exception) -> list[tuple[Request, int]]:
         """`fail_request` for every request the engine holds: after a bug whose reach is unknown (the
         caller's loop failed outside any one request), the engine is left empty and can serve again."""
-        self._inflight = None
-        self.scheduler.kv.drain()  # writes and slots of a batch that may never have run
+        self.loop.drop_inflight()  # writes and slots of a batch that may never have run
         return [self.fail_request(req, error) for req in list(self._reqs.values())]
-
-    def _advance_grammar(self, req: Request) -> None:
-        """The request's matcher takes its new token; once the grammar can only end, the request
-        finishes ("stop", also over a "length" reached with the same token)."""
-        state = req.grammar
-        if state is None or (req.finished and req.finish_reason != "length"):  # e.g. stopped at EOS
-            return
-        token = req.output_ids[-1]
-        if not state.accept(token):  # the mask allowed it: only a bug gets here
-            if not req.finished:
-                self.scheduler.finish(req, "error", error=f"the grammar rejected token {token}")
-        elif state.ended():
-            if req.finished:
-                req.finish_reason, req.matched_stop = "stop", None
-            else:
-                self.scheduler.finish(req, "stop")
-
-    def _check_stop_strings(self, req: Request, start: int) -> None:
-        """Feed the request's new tokens `output_ids[start:]` to its stop-string matcher, one by one; at
-        a match, drop the tokens after it (a speculative round commits several) and finish."""
-        text = self._texts.get(req.rid)
-        if text is None:
-            return
-        for end in range(start + 1, len(req.output_ids) + 1):
-            _, matched = text.add(req.output_ids[end - 1:end])
-            if matched is not None and end >= req.params.min_new_tokens:
-                del req.output_ids[end:], req.output_logprobs[end:], req.output_top_logprobs[end:]
-                if req.finished:
-                    req.finish_reason, req.matched_stop = "stop", matched
-                else:
-                    self.scheduler.finish(req, "stop", matched)
-                return
 
     def generate(self, prompts: str | list[str] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -651,7 +363,7 @@ class Engine:
         step after that); safe to call at any time, also after a failed step."""
         if self.ranks is not None:
             self.ranks.stop()
-        self._inflight = None
+        self.loop.inflight = None
         for rid in list(self._reqs):
             self.abort(rid)
         if self.grammars is not None:

@@ -18,7 +18,7 @@ import torch
 
 from kestrel.core.batch import ScheduledBatch
 from kestrel.core.request import Request
-from kestrel.engine.sampler import copy_to_host
+from kestrel.sampling.sampler import copy_to_host
 
 SLICE_ROWS = 1024
 

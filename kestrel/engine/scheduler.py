@@ -12,11 +12,14 @@ speculative verify (TARGET_VERIFY), whose caller fills in the draft tokens and t
 After the forward is launched, `commit()` advances the requests as if their sampled tokens were known
 (those are `pending` until `resolve()` gets their values from the device). With overlap scheduling the
 engine schedules the next step between the two calls; requests that will reach their length limit
-with the pending token are not scheduled again.
+with the pending token are not scheduled again. `resolve()` is the one place where requests take
+their tokens, from plain and speculative steps alike; whether a request ends there is decided by
+`Finishing` (finishing.py).
 """
 from __future__ import annotations
 
 import bisect
+import logging
 
 from kestrel.cache.allocator import TokenToKVPoolAllocator
 from kestrel.cache.radix import RadixCache
@@ -26,7 +29,10 @@ from kestrel.core.batch import ScheduledBatch
 from kestrel.core.forward_mode import ForwardMode
 from kestrel.core.request import Request, RequestStatus
 from kestrel.engine.admission import AdmissionBudget
+from kestrel.engine.finishing import Finishing
 from kestrel.engine.request_kv import RequestKV
+
+logger = logging.getLogger(__name__)
 
 # A retraction frees room for this many decode steps of the requests left, so that the next steps do
 # not retract one request each.
@@ -41,8 +47,7 @@ class Scheduler:
         self.allocator = allocator
         self.kv = RequestKV(allocator, radix, req_to_token, recompute_last_match)
         self.budget = AdmissionBudget(config, allocator.page_size)
-        self.eos_token_ids = eos_token_ids
-        self.context_length = context_length
+        self.finisher = Finishing(eos_token_ids, context_length)
         self.waiting: list[Request] = []  # kept sorted by arrival, so retracted requests go back in place
         self.running: list[Request] = []  # decoding, in admission order
         self.chunked: Request | None = None  # prefill in progress across steps
@@ -72,8 +77,8 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str, matched_stop: int | str | None = None,
                error: str | None = None) -> None:
-        """End a live request (also used by the engine for stop strings and failed steps) and release
-        its KV. A failed step's KV is not trusted, so it is not offered to the radix cache."""
+        """End a live request and release its KV. A failed step's KV is not trusted, so it is not offered
+        to the radix cache. Stops and length limits come here through `Finishing`'s decision only."""
         if req in self.running:
             self.running.remove(req)
         if req is self.chunked:
@@ -86,6 +91,22 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.pending.clear()  # tokens still on the device for it are dropped when they resolve
         req.finish_reason, req.matched_stop, req.error = reason, matched_stop, error
+
+    def fail(self, req: Request, error: Exception) -> None:
+        """finish_reason "error", also over a finish not reported yet (the failure comes after it)."""
+        message = f"{type(error).__name__}: {error}"
+        if req.finished:
+            req.finish_reason, req.matched_stop, req.error = "error", None, message
+        else:
+            self.finish(req, "error", error=message)
+
+    def finish_if_done(self, req: Request) -> bool:
+        """End a request that needs no (more) forward before its first token (`Finishing.decide`);
+        returns whether it has ended."""
+        finish = self.finisher.decide(req)
+        if finish is not None:
+            self.finish(req, finish.reason, finish.matched_stop, finish.error)
+        return req.finished
 
     def suspect(self, req: Request) -> None:
         """Put back a request of a step that failed with others: like a retraction it keeps its resolved
@@ -254,7 +275,7 @@ class Scheduler:
         finishing = len(self.finishing)
         for req, pending in zip(sampled, futures):
             req.pending += pending
-            if self._at_length_limit(req, req.num_generated, req.seq_len):
+            if self.finisher.at_length_limit(req, req.num_generated, req.seq_len):
                 self.finishing.add(req)
             elif id(req) in prefilled:
                 self.running.append(req)
@@ -271,37 +292,34 @@ class Scheduler:
         self.kv.keep_new(req, req.kv_len - num_new, nodes)
 
     def resolve(self, sampled: list[Request], token_lists: list[list[int]],
-                futures: list[list[int]] | None = None) -> list[Request]:
-        """Give the sampled requests their tokens (in order; `futures` names the pending ones they
-        resolve) and finish requests at a stop condition, dropping the tokens after it.
+                futures: list[list[int]] | None = None, logprobs: list[list[float] | None] | None = None,
+                top_logprobs: list[list | None] | None = None) -> list[Request]:
+        """Give the sampled requests their tokens, in order, with their logprobs (where asked for); `futures`
+        names the pending ones they resolve. After each token `Finishing` decides whether the request
+        ends there; the tokens after its end are dropped. A request whose own host work on its tokens
+        (its grammar, its stop strings) raises finishes with an error; the others go on.
 
-        Returns the requests that got tokens (those finished meanwhile, by abort or a stop string,
-        drop them)."""
+        Returns the requests that got tokens (those finished meanwhile, by abort, drop them)."""
         got = []
         for i, (req, tokens) in enumerate(zip(sampled, token_lists)):
             if req.finished:
                 continue
-            for j, token in enumerate(tokens):
-                if futures is not None:
-                    assert req.pending and req.pending[0] == futures[i][j], "pending tokens resolve in order"
-                    req.pending.pop(0)
-                req.output_ids.append(token)
-                if self._stopped(req, token):
-                    break
+            if futures is not None:
+                assert req.pending[:len(tokens)] == futures[i], "pending tokens resolve in order"
+                del req.pending[:len(tokens)]
+            try:
+                for j, token in enumerate(tokens):
+                    req.output_ids.append(token)
+                    if logprobs is not None and logprobs[i] is not None:
+                        req.output_logprobs.append(logprobs[i][j])
+                        req.output_top_logprobs.append(top_logprobs[i][j])
+                    finish = self.finisher.decide(req, token)
+                    if finish is not None:
+                        self.finish(req, finish.reason, finish.matched_stop, finish.error)
+                        break
+            except Exception as e:  # noqa: BLE001 - this request's own host work: it alone fails
+                logger.exception("request %s failed while taking its new tokens; it finishes with an error", req.rid)
+                self.fail(req, e)
             got.append(req)
             self.suspects.discard(req)  # its prefill ran alone and resolved: it rejoins the batches
         return got
-
-    def _stopped(self, req: Request, token: int) -> bool:
-        params = req.params
-        if params.stop_token_ids and token in params.stop_token_ids:
-            self.finish(req, "stop", token)
-        elif not params.ignore_eos and token in self.eos_token_ids:
-            self.finish(req, "stop", token)
-        # Resolved tokens only: a token launched after this one may still be pending.
-        elif self._at_length_limit(req, len(req.output_ids), len(req.prompt_ids) + len(req.output_ids)):
-            self.finish(req, "length")
-        return req.finished
-
-    def _at_length_limit(self, req: Request, generated: int, seq_len: int) -> bool:
-        return generated >= req.params.max_new_tokens or seq_len >= self.context_length

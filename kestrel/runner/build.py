@@ -19,9 +19,9 @@ from kestrel.models.loader import load_model
 from kestrel.quant.kv import kv_cache_dtype
 from kestrel.runner.future_tokens import FutureTokens
 from kestrel.runner.model_runner import ModelRunner, layer_kernels
-from kestrel.spec.draft_model import Draft, load_draft
-from kestrel.spec.draft_worker import DraftWorker
-from kestrel.spec.resolve import DRAFT_MODEL_ALGORITHMS
+from kestrel.speculative.draft_model import Draft, load_draft
+from kestrel.speculative.draft_worker import DraftWorker
+from kestrel.speculative.resolve import DRAFT_MODEL_ALGORITHMS
 
 logger = logging.getLogger(__name__)
 

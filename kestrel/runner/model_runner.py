@@ -50,7 +50,7 @@ class ModelRunner:
         self.future_tokens = future_tokens
         self.vocab_size = model.config.vocab_size
 
-        # A draft model's runner is given its backend by the draft-backend factory (kestrel.spec).
+        # A draft model's runner is given its backend by the draft-backend factory (kestrel.speculative).
         self.attn_backend = attn_backend if attn_backend is not None else self._target_backend(config, pools)
         logger.info("attention backend: %s", self.attn_backend.name)
 

@@ -88,13 +88,13 @@ def test_tree_lanes_draft_what_the_target_predicts(models, monkeypatch):
     """With the target as its own draft, every drafted node is one of the top-k tokens of the target's
     distribution at its parent, as the verify forward (tree mask, another code path) computes it:
     each lane attended to exactly its own path."""
-    import kestrel.spec.draft_worker as worker_module
+    import kestrel.speculative.draft_worker as worker_module
 
     rounds = []
 
     def recording_verify(*args, **kwargs):
         verified = worker_module.verify_tree.__wrapped__(*args, **kwargs)
-        rounds.append((args[3], verified.target.logits))
+        rounds.append((args[2], verified.target.logits))
         return verified
 
     recording_verify.__wrapped__ = worker_module.verify_tree

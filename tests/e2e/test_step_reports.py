@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import kestrel.spec.draft_worker
-import kestrel.spec.ngram_worker
+import kestrel.speculative.draft_worker
+import kestrel.speculative.ngram_worker
 from kestrel import Engine, SamplingParams
-from kestrel.spec.tree import DraftTree, ancestor_mask
+from kestrel.speculative.tree import DraftTree, ancestor_mask
 from tests.e2e.conftest import assert_pool_full
 from tests.model import dsv4_reference as ref
 from tests.model.test_llama_eagle import make_eagle, make_eagle3
@@ -97,9 +97,9 @@ def use_oracle_drafts(monkeypatch, continuations: dict[tuple[int, ...], list[int
     def patch(module):
         verify_tree = module.verify_tree
 
-        def oracle_verify(scheduler, runner, batch, tree, *args, **kwargs):
+        def oracle_verify(runner, batch, tree, *args, **kwargs):
             tokens, parents, depths = tree.tokens.clone(), tree.parents, tree.depths
-            if module is kestrel.spec.ngram_worker:
+            if module is kestrel.speculative.ngram_worker:
                 n = tokens.shape[1]
                 parents = torch.arange(-1, n - 1).expand_as(tokens).clone()
                 depths = torch.arange(n).expand_as(tokens).clone()
@@ -110,12 +110,12 @@ def use_oracle_drafts(monkeypatch, continuations: dict[tuple[int, ...], list[int
                     tokens[b, node] = seq[pos] if pos < len(seq) else 0
             depth = int(depths.max())
             tree = DraftTree(tokens, parents, depths, ancestor_mask(parents, depth), depth)
-            return verify_tree(scheduler, runner, batch, tree, *args, **kwargs)
+            return verify_tree(runner, batch, tree, *args, **kwargs)
 
         monkeypatch.setattr(module, "verify_tree", oracle_verify)
 
-    patch(kestrel.spec.draft_worker)
-    patch(kestrel.spec.ngram_worker)
+    patch(kestrel.speculative.draft_worker)
+    patch(kestrel.speculative.ngram_worker)
 
 
 def drive(engine: Engine, requests: list[tuple[int, SamplingParams]], batch: int) -> list[tuple[list[int], str]]:

@@ -32,6 +32,6 @@ def test_cuda_speculative_greedy_equals_plain_greedy(spec):
         got = [o.token_ids for o in engine.generate(PROMPTS, PARAMS)]
         assert got == want
         assert replays
-        if engine.draft_worker is not None:
-            assert engine.draft_worker.lanes.graphs is not None and engine.draft_worker.greedy_graphs is not None
+        if engine.spec_worker.has_draft_kv:
+            assert engine.spec_worker.lanes.graphs is not None and engine.spec_worker.greedy_graphs is not None
         assert_pool_full(engine)

@@ -16,7 +16,7 @@ from kestrel.models.deepseek_v4.mtp import MTPDraft
 from kestrel.models.llama import LlamaForCausalLM
 from kestrel.models.llama_eagle import DraftHead, Eagle3Head, EagleHead
 from kestrel.models.loader import load_model
-from kestrel.spec.draft_model import HeadAsModel
+from kestrel.speculative.draft_model import HeadAsModel
 
 
 def test_every_family_implements_the_required_hooks():

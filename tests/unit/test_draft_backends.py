@@ -10,7 +10,7 @@ from kestrel.attention import registry
 from kestrel.attention.torch_native import TorchNativeBackend
 from kestrel.cli import main
 from kestrel.config import EngineConfig
-from kestrel.spec.draft_backends import create_draft_backends, draft_backend_plan
+from kestrel.speculative.draft_backends import create_draft_backends, draft_backend_plan
 
 POOLS, REQ_TO_TOKEN = object(), object()  # opaque: the factory hands them to the backends untouched
 
@@ -123,7 +123,9 @@ def test_explain_shows_the_draft_backends(dirs, capsys):
     assert main(["explain", "--model", dirs["target"], "--device", "cpu", "--speculative-algorithm", "NGRAM"]) == 0
     assert "draft backends: none (NGRAM" in capsys.readouterr().out
     assert main(["explain", "--model", dirs["target"], "--device", "cpu"]) == 0
-    assert "speculative decoding" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "speculative decoding" not in out
+    assert "[off] speculative_algorithm set x prompt_logprobs" in out
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import torch
 
 from kestrel.core.request import Request
 from kestrel.core.sampling_params import SamplingParams
-from kestrel.engine.sampler import Sampler, SamplingBatch, bits_to_unit, uniform_coins, uniform_noise
+from kestrel.sampling.sampler import Sampler, SamplingBatch, bits_to_unit, uniform_coins, uniform_noise
 
 EOS = 3
 sampler = Sampler()
@@ -170,7 +170,7 @@ def test_noise_of_the_seeds_that_hit_1_is_below_1_and_filtered_tokens_never_win(
 
 def test_sampling_never_picks_a_masked_token_even_with_noise_at_the_extremes(monkeypatch):
     """Robust to the noise anyway: with u = 1 (E = 0) everywhere, masked tokens (prob 0) still lose."""
-    import kestrel.engine.sampler as sampler_module
+    import kestrel.sampling.sampler as sampler_module
 
     monkeypatch.setattr(sampler_module, "uniform_noise", lambda s, h, p, v: torch.ones(s.shape[0], v))
     logits = random_logits(3, 100, seed=9)
@@ -254,7 +254,7 @@ def test_triton_argmax_sampler_gives_the_same_tokens():
     """The Triton argmax (interpreter on CPU) picks what torch's does, ties and -inf rows included,
     for greedy rows and for the sampled rows' exponential race."""
     pytest.importorskip("triton")
-    from kestrel.engine.argmax_triton import argmax_rows
+    from kestrel.sampling.argmax_triton import argmax_rows
 
     logits = random_logits(4, 9000, seed=5)
     logits[1, 4100] = logits[1, 8200] = 100.0  # a tie across chunks
@@ -301,7 +301,7 @@ def test_logit_bias_cannot_lift_a_blocked_token_and_follows_penalties():
 
 def test_logit_bias_applies_at_every_node_of_a_verify():
     """A verify's logits [B, n, V]: each row's bias at each of its n positions (same as n single steps)."""
-    from kestrel.engine.sampler import LogitBias
+    from kestrel.sampling.sampler import LogitBias
 
     logits = torch.randn(3, 4, 10, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     bias = LogitBias(torch.tensor([0, 0, 2]), torch.tensor([1, 9, 1]), torch.tensor([5.0, -3.0, 2.5]))

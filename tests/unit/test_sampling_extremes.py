@@ -11,7 +11,7 @@ import torch
 
 from kestrel.core.request import Request
 from kestrel.core.sampling_params import GREEDY_BELOW_TEMPERATURE, SamplingParams
-from kestrel.engine.sampler import Sampler, SamplingBatch
+from kestrel.sampling.sampler import Sampler, SamplingBatch
 
 VOCAB, EOS = 64, 3
 INF = math.inf

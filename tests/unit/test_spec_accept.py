@@ -8,9 +8,9 @@ import torch
 
 from kestrel.core.request import Request
 from kestrel.core.sampling_params import SamplingParams
-from kestrel.engine.sampler import Sampler, SamplingBatch
-from kestrel.spec.accept import accept_greedy, accept_sampling
-from kestrel.spec.tree import DraftTree, ancestor_mask
+from kestrel.sampling.sampler import Sampler, SamplingBatch
+from kestrel.speculative.accept import accept_greedy, accept_sampling
+from kestrel.speculative.tree import DraftTree, ancestor_mask
 
 VOCAB = 6
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.spec.accept import accept_greedy
-from kestrel.spec.ngram import match_ends, propose_ngram
+from kestrel.speculative.accept import accept_greedy
+from kestrel.speculative.ngram import match_ends, propose_ngram
 
 
 def paths(draft, row: int = 0) -> list[tuple[int, ...]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel.spec.tree import ancestor_mask, build_tree, draft_step
+from kestrel.speculative.tree import ancestor_mask, build_tree, draft_step
 
 
 def log(values) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kestrel.spec.tree import DraftTree, ancestor_mask
+from kestrel.speculative.tree import DraftTree, ancestor_mask
 
 
 @dataclass

@@ -5,9 +5,11 @@ the end of a step the draft's KV covers exactly the positions with target KV, an
 holds, per request row, its output at the last position (its feature and top-k: the next round's
 first tree level). A round over the running requests:
 1. draft: `DraftLanes` grows each request's tree from the root (the last committed token);
-2. TARGET_VERIFY of the tree, acceptance, KV rollback (`kestrel.spec.verify`);
-3. DRAFT_EXTEND over the committed tokens, in their kept slots, reading the target's features there;
-then the engine resolves the committed tokens (stop conditions mid-path drop what follows a stop).
+2. TARGET_VERIFY of the tree and acceptance (`kestrel.speculative.verify`), returned as a commit plan
+   that the engine's step loop commits (KV rollback);
+3. DRAFT_EXTEND over the committed tokens, in their kept slots, reading the target's features there
+   (`after_commit`);
+then the step loop gives the requests their committed tokens (a stop mid-path drops what follows it).
 Prefill chunks and plain decode steps (speculation off above `speculative_disable_batch_size`) run
 as usual, followed by their DRAFT_EXTEND. Rounds resolve before the next step is scheduled, so overlap
 scheduling is off while speculating.
@@ -24,31 +26,35 @@ import torch.nn.functional as F
 from kestrel.attention.registry import REGISTRY
 from kestrel.core.batch import ScheduledBatch
 from kestrel.core.forward_mode import ForwardMode
-from kestrel.engine.sampler import SamplingBatch
+from kestrel.sampling.sampler import SamplingBatch
 from kestrel.core.forward_batch import DeviceInputs
 from kestrel.core.forward_output import ForwardOutput
 from kestrel.runner.model_runner import ModelRunner
-from kestrel.spec.draft_backends import create_draft_backends
-from kestrel.spec.draft_lanes import DraftLanes
-from kestrel.spec.draft_model import Draft
-from kestrel.spec.resolve import draft_forwards
+from kestrel.speculative.draft_backends import create_draft_backends
+from kestrel.speculative.draft_lanes import DraftLanes
+from kestrel.speculative.draft_model import Draft
+from kestrel.speculative.resolve import draft_forwards
 from kestrel.runner.bucket_graphs import BucketGraphs
-from kestrel.spec.accept import accept_greedy
-from kestrel.spec.tree import DraftTree
-from kestrel.spec.verify import Verified, verify_tree
+from kestrel.speculative.accept import accept_greedy
+from kestrel.speculative.tree import DraftTree
+from kestrel.speculative.verify import CommitPlan, verify_tree
 
 _NO_WRITES = torch.empty(3, 0, dtype=torch.int64)
 _NO_MOVES = torch.empty(2, 0, dtype=torch.int64)
 
 
 class DraftWorker:
-    def __init__(self, config, scheduler, target: ModelRunner, draft: Draft, memory, future_tokens,
+    """A `SpeculativeWorker` (kestrel.speculative.worker) with a draft model."""
+
+    has_draft_kv = True
+
+    def __init__(self, config, target: ModelRunner, draft: Draft, memory, future_tokens,
                  eos_token_ids: set[int]) -> None:
         spec = config.speculative
-        self.scheduler, self.target, self.draft, self.memory = scheduler, target, draft, memory
+        self.target, self.draft, self.memory = target, draft, memory
         self.eos_token_ids = eos_token_ids
         self.num_steps, self.topk = spec.speculative_num_steps, spec.speculative_eagle_topk
-        self.num_draft = spec.speculative_num_draft_tokens
+        self.num_draft, self.disable_batch_size = spec.speculative_num_draft_tokens, spec.speculative_disable_batch_size
         # Tokens a round commits at most, so a DRAFT_EXTEND after a round has this fixed shape (padded).
         self.extend_tokens = min(self.num_steps + 1, self.num_draft)
         self.context_length = config.model.context_length
@@ -91,9 +97,12 @@ class DraftWorker:
     def target_capture(self) -> tuple[int, ...]:
         return self.draft.target_capture
 
+    def decode_tokens(self, num_running: int) -> int:
+        return 1 if num_running > self.disable_batch_size else self.num_draft
+
     # ---- plain steps: prefill chunks and decodes ----------------------------------------------
     @torch.inference_mode()
-    def extend_after(self, batch: ScheduledBatch, out: ForwardOutput, sampled_rows: list[int],
+    def after_forward(self, batch: ScheduledBatch, out: ForwardOutput, sampled_rows: list[int],
                      futures: list[int]) -> None:
         """The draft's DRAFT_EXTEND over a plain step's new tokens, launched right after the target's
         forward and sampling (the sampled tokens are read on the device, as FutureTokens)."""
@@ -113,28 +122,28 @@ class DraftWorker:
 
     # ---- a speculative round ------------------------------------------------------------------
     @torch.inference_mode()
-    def verify(self, batch: ScheduledBatch) -> Verified:
-        """Draft, verify and catch the draft up for `batch` (from `schedule(decode_tokens=num_draft)`);
-        the caller resolves the committed tokens."""
+    def verify(self, batch: ScheduledBatch) -> CommitPlan:
+        """Draft and verify `batch` (from `schedule(decode_tokens=num_draft)`); the step loop commits
+        the plan, then calls `after_commit`."""
         assert batch.mode is ForwardMode.TARGET_VERIFY
         reqs, n = batch.reqs, self.num_draft
         rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64).to(self.device, non_blocking=True)
-        roots_host = batch.input_ids[::n]  # each request's last committed token, at position prefix_len
-        roots = torch.tensor(roots_host, dtype=torch.int64).to(self.device, non_blocking=True)
+        roots = torch.tensor(batch.input_ids[::n], dtype=torch.int64).to(self.device, non_blocking=True)
         tree = self.lanes.draft(rows, batch.prefix_lens, roots)
         batch.capture_hidden = self.draft.target_capture
         sampling = SamplingBatch.from_requests(reqs, self.target.vocab_size, self.eos_token_ids, self.device)
-        verified = verify_tree(self.scheduler, self.target, batch, tree, self.context_length, sampling,
-                               self.greedy_graphs)
-        self._extend_committed(batch, roots_host, verified)
-        self.accept_lengths += verified.counts
-        return verified
+        plan = verify_tree(self.target, batch, tree, self.context_length, sampling, self.greedy_graphs)
+        self.accept_lengths += plan.counts
+        return plan
 
-    def _extend_committed(self, batch: ScheduledBatch, roots: list[int], v: Verified) -> None:
+    @torch.inference_mode()
+    def after_commit(self, batch: ScheduledBatch, v: CommitPlan, writes: torch.Tensor, moves: torch.Tensor) -> None:
         """DRAFT_EXTEND over each request's committed tokens, padded to `extend_tokens` per request (a
         fixed shape, so a CUDA graph serves it): padding writes the reserved slot 0 and, coming after the
-        real tokens, never reaches them through the causal mask."""
+        real tokens, never reaches them through the causal mask. `writes` and `moves` (the rollback's)
+        are applied before it."""
         e = self.extend_tokens
+        roots = batch.input_ids[::self.num_draft]  # each request's last committed token
         ids, positions, slots, picked, last = [], [], [], [], []
         for i, (req, p, k) in enumerate(zip(batch.reqs, batch.prefix_lens, v.counts)):
             # Feature draft: position p + j reads committed token p + j + 1; STANDALONE reads token p + j.
@@ -143,8 +152,6 @@ class DraftWorker:
             slots += req.slots[p:p + k] + [0] * (e - k)
             picked += [i * self.num_draft + node for node in v.paths[i]] + [i * self.num_draft] * (e - k)
             last.append(i * e + k - 1)
-        writes, moves, new = self.scheduler.kv.drain()  # the rollback's row writes and KV moves
-        assert new.numel() == 0, "nothing is allocated between a verify and its draft extend"
         b = batch.batch_size
         extend_batch = ScheduledBatch(ForwardMode.DRAFT_EXTEND, batch.req_pool_indices, batch.prefix_lens, [e] * b,
                                       ids, positions, torch.tensor(slots, dtype=torch.int64), writes, moves,

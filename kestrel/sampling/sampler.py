@@ -269,7 +269,7 @@ def uniform_coins(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch
     return uniform_noise(seed_lo, seed_hi, positions, n, first_counter=_COIN_STREAM)
 
 
-# ---- filters and the race (shared with speculative acceptance, kestrel.spec.accept) ----
+# ---- filters and the race (shared with speculative acceptance, kestrel.speculative.accept) ----
 
 def filtered_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor | None,
                    top_ps: torch.Tensor | None, min_ps: torch.Tensor | None) -> torch.Tensor:
@@ -379,12 +379,12 @@ def _torch_argmax(x: torch.Tensor) -> torch.Tensor:
 class Sampler:
     """Stateless: the same logits and SamplingBatch always give the same tokens.
 
-    `triton_argmax` (CUDA): row argmaxes through kestrel.engine.argmax_triton, faster at small batch."""
+    `triton_argmax` (CUDA): row argmaxes through kestrel.sampling.argmax_triton, faster at small batch."""
 
     def __init__(self, triton_argmax: bool = False) -> None:
         self._argmax = _torch_argmax
         if triton_argmax:  # imported only here: triton is optional
-            from kestrel.engine.argmax_triton import argmax_rows
+            from kestrel.sampling.argmax_triton import argmax_rows
 
             self._argmax = argmax_rows
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kestrel.attention.registry import REGISTRY, create_backend, draft_attention_backends
-from kestrel.spec.resolve import DRAFT_MODEL_ALGORITHMS, draft_forwards
+from kestrel.speculative.resolve import DRAFT_MODEL_ALGORITHMS, draft_forwards
 
 if TYPE_CHECKING:
     from kestrel.config import EngineConfig
@@ -88,7 +88,7 @@ def create_draft_backends(config: "EngineConfig", pools: Any, req_to_token: Any,
                           lane_table: Any = None) -> DraftBackends:
     """Build the draft model's backends over its KV pools (`pools`, passed to the registry factories
     as they are) and the shared `req_to_token`; the draft-decode children read the lanes' rows
-    (`lane_table`, kestrel.spec.draft_lanes) when given."""
+    (`lane_table`, kestrel.speculative.draft_lanes) when given."""
     plan = draft_backend_plan(config)
     if plan is None:
         raise ValueError(f"speculative_algorithm={config.speculative.speculative_algorithm} runs no draft model, "

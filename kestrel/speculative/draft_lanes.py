@@ -21,7 +21,7 @@ from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.core.forward_mode import ForwardMode
 from kestrel.runner.bucket_graphs import BucketGraphs
-from kestrel.spec.tree import DraftTree, build_tree, draft_step
+from kestrel.speculative.tree import DraftTree, build_tree, draft_step
 
 
 class DraftLanes:

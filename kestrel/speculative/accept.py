@@ -9,7 +9,7 @@ exactly as the target's (filtered) distribution for deterministic top-k drafts:
   P(c_i) = q(c_i) exactly, as sampling c_i from q after removing the rejected c1 .. c_{i-1};
 - when every child is rejected, the bonus is drawn from q without the children, renormalised: the
   rest of q's mass. A leaf's bonus is therefore a plain sample from q.
-Randomness is counter-based (kestrel.engine.sampler): the coins of depth d come from `uniform_coins`
+Randomness is counter-based (kestrel.sampling.sampler): the coins of depth d come from `uniform_coins`
 and the bonus race from `uniform_noise`, at (request seed, position of the token being chosen), so the
 same seed gives the same tokens, whatever the batch. A leaf's bonus uses exactly the noise the
 non-speculative sampler uses at that position.
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kestrel.engine.sampler import (SamplingBatch, exponential_race, filtered_probs, uniform_coins,
+from kestrel.sampling.sampler import (SamplingBatch, exponential_race, filtered_probs, uniform_coins,
                                     uniform_noise)
-from kestrel.spec.tree import DraftTree
+from kestrel.speculative.tree import DraftTree
 
 
 @dataclass

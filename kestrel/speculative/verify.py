@@ -1,10 +1,11 @@
-"""One TARGET_VERIFY of a draft tree, its acceptance and the KV rollback (spec §2, steps 3-5).
+"""One TARGET_VERIFY of a draft tree and its acceptance, as a commit plan (spec §2, steps 3-4).
 
 Shared by every algorithm: the proposer (a draft model, or n-gram matching) gives a DraftTree per
 request; the target scores all its nodes in one forward with the tree mask; acceptance walks the tree
-(greedy, or the distribution-preserving rule for sampled requests); the accepted path's KV is kept and
-the other new slots are given back. Logprobs of the committed tokens come from the same logits, as the
-non-speculative sampler computes them (log-softmax after logit_bias, before temperature and filters).
+(greedy, or the distribution-preserving rule for sampled requests). The result is a `CommitPlan`: the
+engine's step loop commits it (keeps the accepted path's KV, gives the other new slots back, step 5).
+Logprobs of the committed tokens come from the same logits, as the non-speculative sampler computes
+them (log-softmax after logit_bias, before temperature and filters).
 """
 from __future__ import annotations
 
@@ -13,17 +14,20 @@ from dataclasses import dataclass
 import torch
 
 from kestrel.core.batch import ScheduledBatch
-from kestrel.engine.sampler import SamplingBatch
+from kestrel.sampling.sampler import SamplingBatch
 from kestrel.core.forward_batch import DeviceInputs
 from kestrel.core.forward_output import ForwardOutput
-from kestrel.spec.accept import Acceptance, accept_sampling
-from kestrel.spec.tree import DraftTree
+from kestrel.speculative.accept import Acceptance, accept_sampling
+from kestrel.speculative.tree import DraftTree
 
 
 @dataclass
-class Verified:
-    """A verify round's result, per request of the batch (host lists) and the target's output."""
+class CommitPlan:
+    """A verify round's result, per request of the batch (host lists), and the target's output. Nothing
+    is committed yet: the step loop advances the requests by `num_new` positions, keeps the KV of each
+    `paths[i]` (the other new slots are freed) and gives the requests their `tokens`."""
 
+    num_new: int  # positions each request was given for the round: the tree's nodes
     counts: list[int]  # tokens committed: accepted drafts + the bonus
     paths: list[list[int]]  # accepted node indices, root first (counts[i] of them)
     tokens: list[list[int]]  # the committed tokens (counts[i] of them)
@@ -32,11 +36,11 @@ class Verified:
     target: ForwardOutput
 
 
-def verify_tree(scheduler, runner, batch: ScheduledBatch, tree: DraftTree, context_length: int,
-                sampling: SamplingBatch, greedy_graphs=None) -> Verified:
+def verify_tree(runner, batch: ScheduledBatch, tree: DraftTree, context_length: int,
+                sampling: SamplingBatch, greedy_graphs=None) -> CommitPlan:
     """Score `tree` (on the runner's device) for `batch` (a TARGET_VERIFY from the scheduler, whose
-    requests' sampled tokens are all resolved), accept, commit the batch and roll the KV back.
-    `greedy_graphs` (kestrel.spec.draft_worker): greedy acceptance as CUDA graphs, for all-greedy batches."""
+    requests' sampled tokens are all resolved) and accept; the scheduler is left as it is.
+    `greedy_graphs` (kestrel.speculative.draft_worker): greedy acceptance as CUDA graphs, for all-greedy batches."""
     reqs, n = batch.reqs, tree.tokens.shape[1]
     device = runner.device
     prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64).to(device, non_blocking=True)
@@ -56,13 +60,10 @@ def verify_tree(scheduler, runner, batch: ScheduledBatch, tree: DraftTree, conte
     asks = [(i, r.params.logprobs) for i, r in enumerate(reqs) if r.params.logprobs is not None]
     lp_host = _path_logprobs(logits, acc, asks) if asks else None
     host = torch.cat([acc.num_accepted[:, None], acc.accepted_nodes, acc.new_tokens], 1).tolist()  # the sync
-    scheduler.commit(batch, [], [])
     d = acc.accepted_nodes.shape[1]
     counts = [row[0] for row in host]
     paths = [row[1:1 + k] for row, k in zip(host, counts)]
     tokens = [row[1 + d:1 + d + k] for row, k in zip(host, counts)]
-    for req, path in zip(reqs, paths):
-        scheduler.keep_new_slots(req, n, path)
     logprobs: list = [None] * len(reqs)
     tops: list = [None] * len(reqs)
     for j, (i, top_n) in enumerate(asks):
@@ -70,7 +71,7 @@ def verify_tree(scheduler, runner, batch: ScheduledBatch, tree: DraftTree, conte
         k = counts[i]
         logprobs[i] = chosen[:k]
         tops[i] = [[(int(t), v) for t, v in zip(ids[p][:top_n], vals[p][:top_n])] for p in range(k)]
-    return Verified(counts, paths, tokens, logprobs, tops, out)
+    return CommitPlan(n, counts, paths, tokens, logprobs, tops, out)
 
 
 def _path_logprobs(logits: torch.Tensor, acc: Acceptance, asks: list[tuple[int, int]]):
