@@ -16,6 +16,7 @@ import torch
 
 from kestrel.cache.radix import RadixCache
 from kestrel.config import EngineConfig
+from kestrel.config_resolve import resolve_config
 from kestrel.core.batch import ScheduledBatch
 from kestrel.core.forward_mode import ForwardMode
 from kestrel.core.outputs import EngineStats, RequestOutput, StepInfo
@@ -67,7 +68,7 @@ class Engine:
             config = EngineConfig.from_flat(**({"model": model} if model else {}), **kwargs)
         elif model or kwargs:
             raise TypeError("pass either config or model/engine options, not both")
-        self.config = config = config.resolve()
+        self.config = config = resolve_config(config)
         spec = config.speculative
         if config.parallel.node_rank > 0:
             raise ValueError("node_rank > 0 runs only that node's tensor-parallel ranks, not an engine: start it "
