@@ -19,7 +19,7 @@ def _folder(path, **config):
 
 
 def v4_config() -> dict:
-    """A whole DeepSeek-V4 config (resolve() reads its KV layout for the page size), with one MTP layer."""
+    """A whole DeepSeek-V4 config (resolution reads its KV layout for the page size), with one MTP layer."""
     from tests.model.dsv4_reference import RefConfig
 
     return {**RefConfig().native_config(), "architectures": ["DeepseekV4ForCausalLM"], "num_nextn_predict_layers": 1}
