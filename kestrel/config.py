@@ -132,8 +132,9 @@ class SpeculativeConfig:
 
     `kestrel.spec.resolve.resolve_speculative` fills and checks them."""
 
-    speculative_algorithm: str | None = option(None, "the way drafts are made, as SGLang spells it (default: no speculative decoding)", choices=(
-        "EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"))
+    speculative_algorithm: str | None = option(None, "the way drafts are made, as SGLang spells it (default: no "
+                                                     "speculative decoding)",
+                                               choices=("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"))
     speculative_draft_model_path: str | None = option(None, "the draft: an EAGLE/EAGLE-3 head or a small LM "
                                                             "folder, or a bundled name (demo-eagle, demo-draft); "
                                                             "NEXTN defaults to the target")

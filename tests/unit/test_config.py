@@ -153,7 +153,8 @@ def test_help_groups_the_flags_by_section(capsys):
     assert starts == sorted(starts)
     sections = dict(zip(titles, [out[a:b] for a, b in zip(starts, starts[1:] + [len(out)])]))
     for title, flag in [("model options:", "--device"), ("KV cache options:", "--page-size"),
-                        ("KV cache options:", "--enable-prefix-caching"), ("attention options:", "--triton-decode-split"),
+                        ("KV cache options:", "--enable-prefix-caching"),
+                        ("attention options:", "--triton-decode-split"),
                         ("server options:", "--served-model-name"), ("parallelism options:", "--tp-size")]:
         assert f"  {flag}" in sections[title], (title, flag)
     assert "--kv-cache-dtype {auto,fp8_e4m3,fp8_e5m2}" in out  # declared choices show as the metavar
