@@ -7,97 +7,48 @@ import logging
 import sys
 import typing
 
-from kestrel.config import SECTIONS, VLLM_NAMES, EngineConfig
+from kestrel.config import SECTIONS, EngineConfig
+from kestrel.config_resolve import resolve_config
 
-# Flags whose help is worth more than the field name.
-HELP = {
-    "model": "Hugging Face model folder, a GGUF file (or a folder holding one), or a bundled model: demo (default), "
-             "demo-draft",
-    "device": "auto, cpu or cuda",
-    "dtype": "auto, float32, float16 or bfloat16",
-    "max_total_tokens": "KV pool size in tokens (default: from GPU memory; 32768 on CPU)",
-    "page_size": "tokens per KV page (default: 1, or 128 for DeepSeek-V4, whose compressed KV blocks need it)",
-    "chunked_prefill_size": "prefill tokens per step; -1 disables chunking (vLLM's --max-num-batched-tokens counts "
-                            "a step's decode tokens too; here they come on top)",
-    "context_length": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
-    "mem_fraction_static": "share of GPU memory for the weights and the KV pool (default 0.85)",
-    "max_running_requests": "most requests decoding at once (default: 1024 on GPU, 64 on CPU)",
-    "kv_cache_dtype": "auto (the model dtype), fp8_e4m3 or fp8_e5m2: the KV cache in FP8, half the bytes of bf16 "
-                      "(DeepSeek-V4: fp8_e4m3 only, spec §6's packed 584 B entries)",
-    "quantization": "fp8: linear weights in FP8 (block-scaled e4m3; a float checkpoint is quantized at load). "
-                    "Default: what the checkpoint holds",
-    "enable_piecewise_cuda_graph": "replay CUDA graphs between the attention calls of prefill (EXTEND) and "
-                                   "MIXED steps of Llama-family models on CUDA (docs/cuda-graphs.md)",
-    "piecewise_cuda_graph_max_tokens": "largest step, in new tokens, that piecewise CUDA graphs serve "
-                                       "(default 2048); larger steps run eagerly",
-    "attention_backend": "attention backend for both phases (e.g. torch_native)",
-    "triton_decode_split": "uniform (default) or length: how the Triton decode kernel splits keys over programs; "
-                           "length cuts each request into chunks of equal size (docs/benchmarks.md)",
-    "speculative_algorithm": "EAGLE, EAGLE3, NEXTN, STANDALONE or NGRAM (as SGLang spells them)",
-    "speculative_draft_model_path": "the draft: an EAGLE/EAGLE-3 head or a small LM folder, or a bundled name "
-                                    "(demo-eagle, demo-draft); NEXTN defaults to the target",
-    "speculative_num_steps": "draft depth (set all three of steps/topk/draft tokens, or none for SGLang's choice)",
-    "speculative_eagle_topk": "branching of the draft tree (1: a chain); NGRAM: the largest branching",
-    "speculative_num_draft_tokens": "tree nodes sent to verify, the root included",
-    "speculative_disable_batch_size": "stop speculating above this many running requests (default 32)",
-    "speculative_draft_attention_backend": "one attention backend for every phase of the draft model",
-    "speculative_attention_mode": "prefill or decode: which half serves TARGET_VERIFY and DRAFT_EXTEND",
-    "grammar_compile_timeout": "seconds a structured-output request waits for its grammar to compile (off the "
-                               "engine loop) before it fails with a 400 (default: 30)",
-    "grammar_max_length": "longest grammar text (JSON schema, regex, EBNF, structural tag) compiled, in characters; "
-                          "a longer one is a 400 (default: 200000)",
-    "tp_size": "tensor-parallel ranks: one process (and GPU) each, the model's heads, MLP and vocabulary split "
-               "over them (docs/parallelism.md)",
-    "ep_size": "ranks the routed experts of a MoE model (DeepSeek-V4) are split over: 1 or --tp-size",
-    "nnodes": "machines the --tp-size ranks are spread over (default 1)",
-    "node_rank": "this machine's place among --nnodes; node 0 serves HTTP, the others run their ranks only",
-    "dist_init_addr": "host:port of node 0's rendezvous, reachable from every node (needed with --nnodes > 1)",
-    "cpu_threads": "torch compute threads of the engine on a CPU device (default: OMP_NUM_THREADS if set, else "
-                   "all usable cores up to 3, one fewer up to 8, two fewer above; docs/cpu.md)",
-    "max_request_bytes": "largest request body in bytes; larger ones get 413 (default: 4 MiB)",
-    "max_queued_requests": "engine requests held beyond --max-running-requests; past it, 503 with Retry-After "
-                           "(default: 1024)",
-    "shutdown_timeout": "seconds running requests get to finish after SIGTERM before they are aborted (default: 30)",
-    "request_read_timeout": "seconds a client has to send a request's headers, and between two reads of its "
-                            "body; past them the connection is closed, 408 mid-body (default: 30)",
-    "tokenizer_pool_size": "processes tokenizing long prompts off the event loop (default: 2)",
-    "tool_call_parser": "the format of the model's tool calls, to parse them and force them (tool_choice): "
-                        "llama3, qwen25 or hermes (also the bundled demo's); default: no tool calls",
-}
+# --help lists the sections in this order, each under its name.
+SECTION_TITLES = {"model": "model", "cache": "KV cache", "scheduler": "scheduler", "attention": "attention",
+                  "speculative": "speculative decoding", "cuda_graph": "CUDA graphs", "parallel": "parallelism",
+                  "server": "server"}
 
 
-# vLLM's flags for our options, accepted as aliases (shown beside ours in --help).
-VLLM_FLAGS = {ours: "--" + theirs.replace("_", "-") for theirs, ours in VLLM_NAMES.items()}
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
-def _field_type(field: dataclasses.Field) -> type:
+def _argparse_type(owner: type, field: dataclasses.Field) -> type:
     """The argparse type of a field: `int | None` -> int, `str` -> str."""
-    hint = typing.get_type_hints(FIELD_OWNER[field.name])[field.name]
+    hint = typing.get_type_hints(owner)[field.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else hint
 
 
-FIELD_OWNER = {f.name: klass for klass in SECTIONS.values() for f in dataclasses.fields(klass)}
-
-
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, with SGLang's spelling (--max-total-tokens), and vLLM's where it
-    differs (--max-model-len; `VLLM_FLAGS`, and --[no-]enable-prefix-caching)."""
-    parser.add_argument("--device", default="auto", help=HELP["device"])
-    for klass in SECTIONS.values():
-        for field in dataclasses.fields(klass):
-            flag = "--" + field.name.replace("_", "-")
-            names = [flag, "--model-path"] if field.name == "model" else [flag]
-            names += [VLLM_FLAGS[field.name]] if field.name in VLLM_FLAGS else []
-            kind = _field_type(field)
-            if kind is bool:
-                parser.add_argument(*names, dest=field.name, action="store_true", help=HELP.get(field.name))
-            else:
-                parser.add_argument(*names, dest=field.name, type=kind, default=None, help=HELP.get(field.name))
-            if field.name == "disable_radix_cache":
-                parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                                    help="vLLM's spelling: --no-enable-prefix-caching is --disable-radix-cache "
-                                         "(prefix caching is on by default)")
+def add_engine_flags(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+    """One flag per option of EngineConfig (`kestrel.config.option`), with SGLang's spelling
+    (--max-total-tokens) and the field's aliases (vLLM's --max-model-len, ...; and --[no-]enable-prefix-caching),
+    in one argument group per section, returned by section name. Fields that resolution decides have no flag."""
+    groups = {sec: parser.add_argument_group(f"{title} options", SECTIONS[sec].__doc__.split("\n")[0])
+              for sec, title in SECTION_TITLES.items()}
+    for name, (section, field) in EngineConfig.options().items():
+        group = groups[field.metadata["group"] or section]
+        names = [_flag(name)] + [_flag(alias) for alias in field.metadata["aliases"]]
+        kind = _argparse_type(SECTIONS[section] if section else EngineConfig, field)
+        if kind is bool:
+            group.add_argument(*names, dest=name, action="store_true", help=field.metadata["help"])
+        else:
+            # Choices show as the metavar; the subsystem that reads the field refuses others, with its reason.
+            choices = field.metadata["choices"]
+            group.add_argument(*names, dest=name, type=kind, default=None, help=field.metadata["help"],
+                               metavar="{" + ",".join(choices) + "}" if choices else None)
+        if name == "disable_radix_cache":
+            group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                               help="vLLM's spelling: --no-enable-prefix-caching is --disable-radix-cache "
+                                    "(prefix caching is on by default)")
+    return groups
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -158,7 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _explain(args: argparse.Namespace) -> int:
     from kestrel.attention.explain import explain_plan
 
-    print(explain_plan(config_from_args(args).resolve()))
+    print(explain_plan(resolve_config(config_from_args(args))))
     return 0
 
 
@@ -189,23 +140,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for one prompt, offline")
     add_engine_flags(gen)
     prompt = gen.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt")
+    prompt.add_argument("--prompt", help="the prompt text, tokenized as it is (no chat template)")
     prompt.add_argument("--prompt-token-ids", help="comma-separated token ids instead of text (a model without a "
                                                    "tokenizer; the output is then printed as token ids too)")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", type=int, default=None)
+    sampling = gen.add_argument_group("sampling options")
+    sampling.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default 64)")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 (default) samples greedily")
+    sampling.add_argument("--top-p", type=float, default=1.0,
+                          help="sample from the fewest tokens whose probabilities add up to this (default 1: all)")
+    sampling.add_argument("--top-k", type=int, default=-1,
+                          help="sample from this many most likely tokens (default -1: all)")
+    sampling.add_argument("--seed", type=int, default=None, help="seed of this request's draws (default: random)")
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (and SGLang's native /generate)")
     srv.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as --model gives it")
-    add_engine_flags(srv)
-    srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                     help="the model names clients may send (a request that names none gets the first); "
-                          "/v1/models lists them (default: the model as given)")
-    srv.add_argument("--enable-auto-tool-choice", action="store_true",
-                     help="vLLM's switch for tool_choice 'auto'; kestrel serves it whenever --tool-call-parser is "
-                          "set, and, as vLLM, refuses this flag without one")
+    server = add_engine_flags(srv)["server"]
+    server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the model names clients may send (a request that names none gets the first); "
+                             "/v1/models lists them (default: the model as given)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="vLLM's switch for tool_choice 'auto'; kestrel serves it whenever --tool-call-parser "
+                             "is set, and, as vLLM, refuses this flag without one")
     explain = sub.add_parser("explain", help="print the resolved attention plan without loading weights")
     add_engine_flags(explain)
     return parser

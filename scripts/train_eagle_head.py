@@ -352,7 +352,7 @@ def load_target(name: str):
     (its path as kestrel takes it, the transformers model in float32, frozen; its tokenizer; its config)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kestrel.config import read_hf_config
+    from kestrel.hf_config import read_hf_config
     from kestrel.models.gguf import gguf_file
 
     path = resolve_model_path(name)

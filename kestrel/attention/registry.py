@@ -1,7 +1,8 @@
 """Attention backend registry and the resolver of the three attention fields.
 
-`attention_backends()` is the only code that reads `AttentionConfig.attention_backend` (the base):
-everything else asks for the resolved half it needs (see `decisions.py`).
+`resolve_sources()` is the only code that reads `AttentionConfig.attention_backend` (the base). Config
+resolution calls `attention_backends()` once and keeps its pair in `AttentionConfig.backends`: everything
+after reads the resolved half it needs from there (see `decisions.py`).
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from kestrel import envs
+from kestrel.config import BackendPair
 
 if TYPE_CHECKING:
     from kestrel.cache.kv_memory import KVPools
@@ -122,14 +124,6 @@ def _dsv4(pools, req_to_token, config):
 
 # ---- resolution ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class AttentionBackends:
-    """Canonical backend names for the two halves; never None."""
-
-    prefill: str
-    decode: str
-
-
-@dataclass(frozen=True)
 class HalfSource:
     """Where a half's name came from, for `kestrel explain`."""
 
@@ -148,11 +142,10 @@ def canonical(name: str) -> str:
 
 
 def _model_needs_dsv4(config: "EngineConfig") -> bool:
-    from kestrel.config import read_hf_config
+    """From the config.json that resolution read (`config` is resolved, or being resolved)."""
     from kestrel.models.registry import needs_dsv4_attention
 
-    hf = config.model.hf_config if config.model.hf_config is not None else read_hf_config(config.model.model)
-    return needs_dsv4_attention(hf.get("architectures") or [])
+    return needs_dsv4_attention(config.model.hf_config.get("architectures") or [])
 
 
 def default_backend(config: "EngineConfig", phase: str) -> str:
@@ -200,22 +193,23 @@ def _check_model_fit(name: str, source: str, v4_model: bool) -> None:
     raise ValueError(f"attention backend {name!r} (from {source}) {what}; use one of: {fitting}")
 
 
-def attention_backends(config: "EngineConfig") -> AttentionBackends:
+def attention_backends(config: "EngineConfig") -> BackendPair:
+    """Decide the pair (config resolution's call; everything after reads `config.attention.backends`)."""
     prefill, decode = resolve_sources(config)
-    return AttentionBackends(prefill=prefill.name, decode=decode.name)
+    return BackendPair(prefill=prefill.name, decode=decode.name)
 
 
-def draft_attention_backends(config: "EngineConfig") -> AttentionBackends:
-    """The draft model's pair: its override for both halves if set, else the target's pair."""
+def draft_attention_backends(config: "EngineConfig") -> BackendPair:
+    """The draft model's pair: its override for both halves if set, else the target's resolved pair."""
     override = config.speculative.speculative_draft_attention_backend
     if override is None:
-        return attention_backends(config)
+        return config.attention.backends
     name = canonical(override)
     reason = REGISTRY[name].unavailable(config)
     if reason is not None:
         raise ValueError(f"draft attention backend {name!r} cannot run here: {reason}")
     _check_model_fit(name, "speculative_draft_attention_backend", _model_needs_dsv4(config))
-    return AttentionBackends(prefill=name, decode=name)
+    return BackendPair(prefill=name, decode=name)
 
 
 def create_backend(name: str, pools: "KVPools", req_to_token: "ReqToTokenPool", config: "EngineConfig"):

@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_flags(parser)
     add_random_dataset_flags(parser, num_prompts=320, input_len=1000, output_len=500, range_ratio=0.2)
-    parser.add_argument("--max-concurrency", type=int, default=64)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--max-concurrency", type=int, default=64, help="requests kept in flight (default 64)")
+    parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     from kestrel.engine.engine import Engine

@@ -36,11 +36,15 @@ def workload(n: int, input_len: int, output_len: int, range_ratio: float, vocab_
 
 def add_random_dataset_flags(parser, num_prompts: int, input_len: int, output_len: int, range_ratio: float) -> None:
     """SGLang's `random` dataset flags and `--seed`, with this benchmark's defaults."""
-    parser.add_argument("--num-prompts", type=int, default=num_prompts)
-    parser.add_argument("--random-input-len", type=int, default=input_len)
-    parser.add_argument("--random-output-len", type=int, default=output_len)
-    parser.add_argument("--random-range-ratio", type=float, default=range_ratio)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-prompts", type=int, default=num_prompts, help=f"requests sent (default {num_prompts})")
+    parser.add_argument("--random-input-len", type=int, default=input_len,
+                        help=f"longest prompt, in random tokens (default {input_len})")
+    parser.add_argument("--random-output-len", type=int, default=output_len,
+                        help=f"longest output, in tokens (default {output_len})")
+    parser.add_argument("--random-range-ratio", type=float, default=range_ratio,
+                        help="each length is drawn uniformly from [ratio x longest, longest]; 1: all the longest "
+                             f"(default {range_ratio})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and lengths drawn (default 0)")
 
 
 def random_dataset(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:

@@ -22,20 +22,25 @@ from kestrel.bench.serving import add_api_flags, run
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-url", default="http://127.0.0.1:30000")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--base-url", default="http://127.0.0.1:30000",
+                        help="the server to measure (default http://127.0.0.1:30000)")
+    parser.add_argument("--api-key", default=None, help="the key the server asks for, sent as a Bearer token")
     add_api_flags(parser)
     parser.set_defaults(api="openai")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="random token ids are drawn below this (default: the server's /server_info; "
                              "needed for servers without one, e.g. 49152 for SmolLM2)")
-    parser.add_argument("--batch1-requests", type=int, default=4)
-    parser.add_argument("--max-concurrency", type=int, default=8)
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--random-input-len", type=int, default=200)
-    parser.add_argument("--random-output-len", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--batch1-requests", type=int, default=4,
+                        help="lone requests timed one after the other (default 4)")
+    parser.add_argument("--max-concurrency", type=int, default=8,
+                        help="requests in flight in the loaded phase (default 8)")
+    parser.add_argument("--num-prompts", type=int, default=32, help="requests of the loaded phase (default 32)")
+    parser.add_argument("--random-input-len", type=int, default=200,
+                        help="prompt tokens per request (default 200)")
+    parser.add_argument("--random-output-len", type=int, default=128,
+                        help="output tokens per request, EOS ignored (default 128)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    parser.add_argument("--json", default=None, help="write both phases' figures here")
     args = parser.parse_args(argv)
     args.random_range_ratio = 1.0  # exact lengths: every server does the same work
     args.request_rate = float("inf")

@@ -113,11 +113,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="requests decoding together")
     parser.add_argument("--constrained-fraction", type=float, default=1.0,
                         help="share of the batch under a grammar in the constrained run (default: all)")
-    parser.add_argument("--grammar", choices=("tool", "json"), default="tool")
+    parser.add_argument("--grammar", choices=("tool", "json"), default="tool",
+                        help="the constraint: a forced tool call (structural tag) or a JSON schema (default tool)")
     parser.add_argument("--output-len", type=int, default=64, help="max new tokens per request")
     parser.add_argument("--repeats", type=int, default=2, help="plain / constrained runs, alternated")
     parser.add_argument("--smoke", action="store_true", help="batch 4, 8 tokens, one repeat: checks the code")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
     if args.smoke:
         args.batch_size, args.output_len, args.repeats = 4, 8, 1

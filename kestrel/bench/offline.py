@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_flags(parser)
     add_random_dataset_flags(parser, num_prompts=100, input_len=512, output_len=256, range_ratio=0.0)
     parser.add_argument("--transformers-batch-size", type=int, default=0, help="0: no transformers baseline")
-    parser.add_argument("--transformers-prompts", type=int, default=256)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--transformers-prompts", type=int, default=256,
+                        help="the first this many prompts make the transformers baseline (default 256)")
+    parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     from kestrel.engine.engine import Engine

@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_flags(parser)
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1],
                         help="one or more batch sizes, each run in turn")
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default 128)")
+    parser.add_argument("--output-len", type=int, default=128, help="tokens generated per request (default 128)")
     parser.add_argument("--json", default=None, help="write the result here (a list under 'runs' for several batch sizes)")
     parser.add_argument("--plot", default=None, help="draw throughput and decode-step latency per batch size as a PNG here")
     args = parser.parse_args(argv)

@@ -187,8 +187,9 @@ async def run(args: argparse.Namespace, concurrency: int | None, seed: int) -> t
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-url", default="http://127.0.0.1:30000")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--base-url", default="http://127.0.0.1:30000",
+                        help="the server to measure (default http://127.0.0.1:30000)")
+    parser.add_argument("--api-key", default=None, help="the key the server asks for, sent as a Bearer token")
     add_api_flags(parser)
     parser.add_argument("--max-concurrency", type=int, nargs="+", default=[None],
                         help="requests in flight at most (default: all at once); several values run in turn")

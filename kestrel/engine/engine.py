@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable
 
 from kestrel.cache.radix import RadixCache
 from kestrel.config import EngineConfig
+from kestrel.config_resolve import resolve_config
 from kestrel.core.outputs import EngineStats, RequestOutput, StepInfo
 from kestrel.core.request import Request
 from kestrel.core.sampling_params import SamplingParams
@@ -48,7 +49,7 @@ class Engine:
             config = EngineConfig.from_flat(**({"model": model} if model else {}), **kwargs)
         elif model or kwargs:
             raise TypeError("pass either config or model/engine options, not both")
-        self.config = config = config.resolve()
+        self.config = config = resolve_config(config)
         if config.parallel.node_rank > 0:
             raise ValueError("node_rank > 0 runs only that node's tensor-parallel ranks, not an engine: start it "
                              "with `kestrel serve --node-rank N ...` (node 0 runs the engine)")

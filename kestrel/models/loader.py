@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kestrel.config import read_json_config
+from kestrel.hf_config import read_json_config
 from kestrel.distributed.parallel_state import ParallelState
 from kestrel.layers.kernels import Kernels
 from kestrel.layers.linear import Slice

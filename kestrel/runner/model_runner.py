@@ -9,7 +9,7 @@ import torch
 
 from kestrel.attention.decisions import cuda_graph_backends, shared_triton_kernel
 from kestrel.attention.hybrid import HybridBackend
-from kestrel.attention.registry import REGISTRY, attention_backends, create_backend
+from kestrel.attention.registry import REGISTRY, create_backend
 from kestrel.cache.kv_memory import KVMemory, KVPools
 from kestrel.config import EngineConfig
 from kestrel.core.batch import ScheduledBatch
@@ -77,7 +77,7 @@ class ModelRunner:
             self.model, self.config.cuda_graph.piecewise_cuda_graph_max_tokens, self.device)
 
     def _target_backend(self, config: EngineConfig, pools: KVPools):
-        pair = attention_backends(config)
+        pair = config.attention.backends
         prefill = create_backend(pair.prefill, pools, self.req_to_token, config)
         if pair.decode == pair.prefill:
             return prefill  # one backend serves every mode: no hybrid wrapper

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import uvicorn
 
 from kestrel.config import EngineConfig
+from kestrel.config_resolve import resolve_config
 from kestrel.engine.tokenizer import load_tokenizer
 from kestrel.server.admission import AdmissionControl
 from kestrel.server.app import build_app
@@ -65,7 +66,7 @@ def serve(config: EngineConfig, served_model_names: Sequence[str] = ()) -> int:
     `served_model_names`: the names clients may send, the first one reported (default: the model as given,
     "demo", not the resolved folder)."""
     name, *aliases = served_model_names or [config.model.model]
-    config = config.resolve()
+    config = resolve_config(config)
     if config.parallel.node_rank > 0:  # another node's ranks: no HTTP here, node 0 serves
         from kestrel.distributed.ranks import run_node_ranks
         from kestrel.engine.tokenizer import eos_token_ids

@@ -121,7 +121,7 @@ def _llama_like(target_hf: dict[str, Any]) -> bool:
 
 def _draft_path(spec: "SpeculativeConfig", target_path: str, target_hf: dict[str, Any]) -> str | None:
     from kestrel.assets import resolve_model_path
-    from kestrel.config import read_hf_config
+    from kestrel.hf_config import read_hf_config
 
     algorithm, path = spec.speculative_algorithm, spec.speculative_draft_model_path
     if algorithm == "NGRAM":

@@ -11,6 +11,7 @@ from kestrel import Engine, SamplingParams
 from kestrel.attention import decisions, registry
 from kestrel.attention.hybrid import HybridBackend, serving_half
 from kestrel.config import EngineConfig
+from kestrel.config_resolve import resolve_config
 from kestrel.core.forward_mode import ForwardMode
 from tests.e2e.conftest import assert_pool_full
 from tests.e2e.test_engine import prompts_with_shared_prefixes
@@ -56,7 +57,7 @@ def test_triton_rope_matches_torch_rope():
 
 # ---- routing and resolution (no weights needed) ------------------------------------------------------
 def config(model_dir: str, **fields) -> EngineConfig:
-    return EngineConfig.from_flat(model=model_dir, device="cpu", **fields).resolve()
+    return resolve_config(EngineConfig.from_flat(model=model_dir, device="cpu", **fields))
 
 
 ROUTING_CASES = {  # launch → expected (prefill half, decode half)

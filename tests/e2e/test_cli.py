@@ -52,8 +52,9 @@ def test_unknown_engine_option_lists_valid_ones(tiny_model):
 def test_a_bundled_name_as_tokenizer_means_the_bundled_folder(tiny_model):
     from kestrel.assets import resolve_model_path
     from kestrel.config import EngineConfig
+    from kestrel.config_resolve import resolve_config
 
-    config = EngineConfig.from_flat(model=tiny_model("llama"), tokenizer="demo", device="cpu").resolve()
+    config = resolve_config(EngineConfig.from_flat(model=tiny_model("llama"), tokenizer="demo", device="cpu"))
     assert config.model.tokenizer == resolve_model_path("demo") != "demo"
 
 

@@ -9,6 +9,7 @@ import torch
 
 from kestrel.assets import resolve_model_path
 from kestrel.config import EngineConfig
+from kestrel.config_resolve import resolve_config
 from kestrel.engine.tokenizer import load_tokenizer
 from kestrel.models.llama_eagle import TargetParts, detect_eagle_variant, load_eagle_head
 from kestrel.models.loader import checkpoint_names, load_model
@@ -45,8 +46,8 @@ def test_demo_eagle_is_demos_eagle_draft():
     assert detect_eagle_variant(folder) == "EAGLE"
     assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight"} <= set(checkpoint_names(folder))
     assert json.loads((folder / "training_info.json").read_text())["target"] == "demo"
-    spec = EngineConfig.from_flat(model="demo", device="cpu", speculative_algorithm="EAGLE",
-                                  speculative_draft_model_path="demo-eagle").resolve().speculative
+    spec = resolve_config(EngineConfig.from_flat(model="demo", device="cpu", speculative_algorithm="EAGLE",
+                                                 speculative_draft_model_path="demo-eagle")).speculative
     assert spec.speculative_draft_model_path == str(folder)
     assert (spec.speculative_num_steps, spec.speculative_eagle_topk, spec.speculative_num_draft_tokens) == (5, 4, 8)
 

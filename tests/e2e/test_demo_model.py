@@ -13,6 +13,7 @@ from kestrel import Engine, SamplingParams
 from kestrel.assets import BUNDLED_HEADS, BUNDLED_MODELS, resolve_model_path
 from kestrel.cli import main
 from kestrel.config import EngineConfig
+from kestrel.config_resolve import resolve_config
 from kestrel.engine.tokenizer import apply_chat_template, load_tokenizer
 from tests.e2e.conftest import hf_greedy
 
@@ -45,7 +46,7 @@ def test_models_fit_the_package_budget():
 
 
 def test_default_model_is_demo():
-    config = EngineConfig.from_flat(device="cpu").resolve()
+    config = resolve_config(EngineConfig.from_flat(device="cpu"))
     assert config.model.model == resolve_model_path("demo")
 
 

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from kestrel import Engine, SamplingParams
 from kestrel.cli import main
 from kestrel.config import EngineConfig
+from kestrel.config_resolve import resolve_config
 from kestrel.layers.fp8_linear import Fp8Linear
 from kestrel.quant.resolve import resolve_quantization
 from tests.e2e.conftest import assert_pool_full
@@ -209,17 +210,17 @@ def test_unsupported_checkpoint_quantizations_are_refused(tmp_path):
                          "activation_scheme 'static'")):
         (model / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
         with pytest.raises(ValueError, match=message):
-            EngineConfig.from_flat(model=str(model), device="cpu").resolve()
+            resolve_config(EngineConfig.from_flat(model=str(model), device="cpu"))
 
 
 def test_deepseek_v4_takes_fp8_e4m3_kv_and_refuses_other_fp8_options_with_a_reason():
     v4 = str(Path(__file__).parents[2] / "kestrel/assets/configs/deepseek-v4-flash-slice")
-    resolved = EngineConfig.from_flat(model=v4, device="cpu", kv_cache_dtype="fp8_e4m3").resolve()
+    resolved = resolve_config(EngineConfig.from_flat(model=v4, device="cpu", kv_cache_dtype="fp8_e4m3"))
     assert resolved.cache.kv_cache_dtype == "fp8_e4m3"  # spec §6's packed entries (docs/deepseek-v4.md)
     with pytest.raises(ValueError, match="'fp8_e5m2' is not supported for DeepSeek-V4.*'auto'.*or 'fp8_e4m3'"):
-        EngineConfig.from_flat(model=v4, device="cpu", kv_cache_dtype="fp8_e5m2").resolve()
+        resolve_config(EngineConfig.from_flat(model=v4, device="cpu", kv_cache_dtype="fp8_e5m2"))
     with pytest.raises(ValueError, match="dequantizes the checkpoint's FP8/FP4 weights"):
-        EngineConfig.from_flat(model=v4, device="cpu", quantization="fp8").resolve()
+        resolve_config(EngineConfig.from_flat(model=v4, device="cpu", quantization="fp8"))
 
 
 def test_gpus_without_fp8_are_refused(monkeypatch):

@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from kestrel.config import read_hf_config
+from kestrel.hf_config import read_hf_config
 from kestrel.models.gguf import gguf_file
 from tests.e2e.server_process import ServerProcess
 

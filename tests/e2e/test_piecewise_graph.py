@@ -10,6 +10,7 @@ import torch
 
 from kestrel import Engine, SamplingParams
 from kestrel.config import EngineConfig
+from kestrel.config_resolve import resolve_config
 from kestrel.core.forward_mode import ForwardMode
 from kestrel.models.base import ForwardModel
 from kestrel.runner.piecewise_graph import (PiecewiseGraphRunner, batch_fallback, piecewise_unavailable,
@@ -154,8 +155,8 @@ def test_fallbacks(tiny_model):
     cuda = torch.device("cuda")
 
     def config(**kw):
-        return EngineConfig.from_flat(model=model, device="cpu", dtype="float32",
-                                      enable_piecewise_cuda_graph=True, **kw).resolve()
+        return resolve_config(EngineConfig.from_flat(model=model, device="cpu", dtype="float32",
+                                                     enable_piecewise_cuda_graph=True, **kw))
 
     llama = engine.runner.model
     assert piecewise_unavailable(config(attention_backend="triton"), llama, cuda) is None

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from kestrel.config import EngineConfig
+from kestrel.config_resolve import resolve_config
 from kestrel.core.forward_mode import ForwardMode
 from kestrel.models.llama_eagle import (TargetParts, detect_eagle_variant, eagle3_target_layers,
                                         load_eagle_head)
@@ -222,8 +223,9 @@ def test_engine_config_refuses_the_wrong_variant_at_start_up(tmp_path):
     make_eagle3(tmp_path / "eagle3")
 
     def resolve(algorithm: str, draft: Path):
-        return EngineConfig.from_flat(model=str(target_path), device="cpu", speculative_algorithm=algorithm,
-                                      speculative_draft_model_path=str(draft)).resolve()
+        return resolve_config(EngineConfig.from_flat(model=str(target_path), device="cpu",
+                                                     speculative_algorithm=algorithm,
+                                                     speculative_draft_model_path=str(draft)))
 
     with pytest.raises(ValueError, match="is an EAGLE-3 head but speculative_algorithm is EAGLE; use "
                                          "--speculative-algorithm EAGLE3"):

@@ -1,13 +1,16 @@
-"""EngineConfig resolution and the attention resolver."""
+"""EngineConfig: its options (help, choices, groups, flags), resolution and the attention resolver."""
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
-from kestrel.attention import registry
+from kestrel.attention import decisions, registry
 from kestrel.attention.registry import attention_backends
-from kestrel.config import EngineConfig
+from kestrel.cli import BENCHES, build_parser, main
+from kestrel.config import BackendPair, EngineConfig
+from kestrel.config_resolve import resolve_config
 
 
 @pytest.fixture
@@ -18,7 +21,7 @@ def model_dir(tmp_path):
 
 
 def resolve(model_dir, **kw) -> EngineConfig:
-    return EngineConfig.from_flat(model=model_dir, device="cpu", **kw).resolve()
+    return resolve_config(EngineConfig.from_flat(model=model_dir, device="cpu", **kw))
 
 
 def test_resolve_fills_every_automatic_choice(model_dir):
@@ -58,7 +61,7 @@ def test_device_cuda_without_a_gpu_is_a_clear_error(model_dir):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(ValueError, match="CUDA is not available"):
-        EngineConfig.from_flat(model=model_dir, device="cuda").resolve()
+        resolve_config(EngineConfig.from_flat(model=model_dir, device="cuda"))
 
 
 def test_a_context_length_past_the_models_positions_is_refused_naming_both(model_dir, monkeypatch):
@@ -85,3 +88,86 @@ def test_a_scaled_rope_runs_past_its_positions_only_when_asked(tmp_path, monkeyp
     # The model builds its rope tables for 512 positions; the llama3 scaling keeps its original 128.
     assert c.model.context_length == hf["max_position_embeddings"] == 512
     assert hf["rope_scaling"] == {**rope, "original_max_position_embeddings": 128}
+
+
+def test_resolution_keeps_the_backend_pair_which_everything_after_reads(model_dir, monkeypatch):
+    c = resolve(model_dir, prefill_attention_backend="sdpa")
+    assert c.attention.backends == BackendPair(prefill="sdpa", decode="torch_native")
+
+    def decide_again(config):
+        raise AssertionError("the attention backends were decided again after resolution")
+
+    monkeypatch.setattr(registry, "resolve_sources", decide_again)
+    assert resolve_config(c) is c
+    assert registry.draft_attention_backends(c) == c.attention.backends
+    for decision in decisions.DECISIONS:
+        decision.fn(c)
+
+
+# ---- options and flags --------------------------------------------------------------------------------
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def _bench_parser(name: str, monkeypatch) -> argparse.ArgumentParser:
+    """The parser `kestrel bench NAME` builds, caught where it parses."""
+    seen = []
+
+    def catch(parser, *args, **kwargs):
+        seen.append(parser)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
+    with pytest.raises(SystemExit):
+        main(["bench", name])
+    monkeypatch.undo()
+    return seen[0]
+
+
+def test_every_flag_of_every_verb_has_help(monkeypatch):
+    verbs = {**_subparsers(build_parser()), **{f"bench {b}": _bench_parser(b, monkeypatch) for b in BENCHES}}
+    missing = [f"kestrel {verb} {'/'.join(action.option_strings or [action.dest])}"
+               for verb, parser in verbs.items() for action in parser._actions
+               if not (action.help or "").strip()]
+    assert not missing, f"flags without help: {missing}"
+
+
+def test_every_option_declares_help_and_decided_fields_are_no_flags():
+    options = EngineConfig.options()
+    assert {"model", "page_size", "device", "tool_call_parser"} <= set(options)
+    assert all(f.metadata["help"] for _, f in options.values())
+    assert not {"hf_config", "backends", "resolved"} & set(options)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--hf-config", "{}"])
+    with pytest.raises(TypeError, match="unknown engine option 'hf_config'"):
+        EngineConfig.from_flat(hf_config={})
+
+
+def test_help_groups_the_flags_by_section(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    out = capsys.readouterr().out
+    titles = ["model options:", "KV cache options:", "scheduler options:", "attention options:",
+              "speculative decoding options:", "CUDA graphs options:", "parallelism options:", "server options:"]
+    starts = [out.index(t) for t in titles]
+    assert starts == sorted(starts)
+    sections = dict(zip(titles, [out[a:b] for a, b in zip(starts, starts[1:] + [len(out)])]))
+    for title, flag in [("model options:", "--device"), ("KV cache options:", "--page-size"),
+                        ("KV cache options:", "--enable-prefix-caching"),
+                        ("attention options:", "--triton-decode-split"),
+                        ("server options:", "--served-model-name"), ("parallelism options:", "--tp-size")]:
+        assert f"  {flag}" in sections[title], (title, flag)
+    assert "--kv-cache-dtype {auto,fp8_e4m3,fp8_e5m2}" in out  # declared choices show as the metavar
+
+
+def test_declared_choices_are_the_ones_their_subsystems_accept():
+    from kestrel.quant.kv import KV_CACHE_DTYPES
+    from kestrel.quant.resolve import QUANTIZATIONS
+    from kestrel.server.tool_parsers import PARSERS
+    from kestrel.speculative.resolve import ALGORITHMS
+
+    choices = {name: f.metadata["choices"] for name, (_, f) in EngineConfig.options().items()}
+    assert choices["kv_cache_dtype"] == tuple(KV_CACHE_DTYPES)
+    assert choices["quantization"] == QUANTIZATIONS
+    assert choices["tool_call_parser"] == tuple(PARSERS)
+    assert choices["speculative_algorithm"] == ALGORITHMS

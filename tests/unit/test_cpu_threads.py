@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kestrel.config import EngineConfig
+from kestrel.config_resolve import resolve_config
 from kestrel.engine.cpu_threads import (WAIT_POLICY, auto_threads, choose_cpu_threads, configure_cpu_threads,
                                         usable_cores)
 
@@ -80,4 +81,4 @@ def test_a_bad_omp_num_threads_or_flag_is_an_error_naming_it(monkeypatch, tmp_pa
     with pytest.raises(ValueError, match="OMP_NUM_THREADS must be a positive integer, got 'many'"):
         configure_cpu_threads(EngineConfig.from_flat(device="cpu"))
     with pytest.raises(ValueError, match="cpu_threads must be >= 1"):
-        EngineConfig.from_flat(model="demo", device="cpu", cpu_threads=0).resolve()
+        resolve_config(EngineConfig.from_flat(model="demo", device="cpu", cpu_threads=0))

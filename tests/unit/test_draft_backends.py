@@ -10,6 +10,7 @@ from kestrel.attention import registry
 from kestrel.attention.torch_native import TorchNativeBackend
 from kestrel.cli import main
 from kestrel.config import EngineConfig
+from kestrel.config_resolve import resolve_config
 from kestrel.speculative.draft_backends import create_draft_backends, draft_backend_plan
 
 POOLS, REQ_TO_TOKEN = object(), object()  # opaque: the factory hands them to the backends untouched
@@ -44,8 +45,8 @@ def test_backends():
 
 def config(dirs, algorithm="EAGLE", **kw) -> EngineConfig:
     draft = {"speculative_draft_model_path": dirs["eagle"]} if algorithm == "EAGLE" else {}
-    return EngineConfig.from_flat(model=dirs["target"], device="cpu", speculative_algorithm=algorithm,
-                                  **draft, **kw).resolve()
+    return resolve_config(EngineConfig.from_flat(model=dirs["target"], device="cpu",
+                                                 speculative_algorithm=algorithm, **draft, **kw))
 
 
 def stamps(backends) -> tuple[str | None, list[str], str]:
@@ -102,7 +103,8 @@ def test_backends_that_cannot_serve_a_draft_mode_are_refused_at_start_up(dirs, t
     config(dirs, decode_attention_backend="no_draft_decode", speculative_num_steps=1, speculative_eagle_topk=1,
            speculative_num_draft_tokens=2)
     # Without speculation the backend is fine.
-    EngineConfig.from_flat(model=dirs["target"], device="cpu", decode_attention_backend="no_draft_decode").resolve()
+    resolve_config(EngineConfig.from_flat(model=dirs["target"], device="cpu",
+                                          decode_attention_backend="no_draft_decode"))
 
 
 def test_ngram_has_no_draft_backends(dirs):
@@ -139,7 +141,7 @@ def v4(tmp_path):
 
 
 def test_nextn_on_deepseek_v4_drafts_on_dsv4_and_refuses_other_backends(v4, capsys):
-    cfg = EngineConfig.from_flat(model=v4, device="cpu", speculative_algorithm="NEXTN").resolve()
+    cfg = resolve_config(EngineConfig.from_flat(model=v4, device="cpu", speculative_algorithm="NEXTN"))
     assert cfg.speculative.speculative_draft_model_path == v4
     backends = create_draft_backends(cfg, POOLS, REQ_TO_TOKEN)  # 3 steps: 2 lane forwards after the extend
     assert stamps(backends) == ("dsv4", ["dsv4"] * 2, "dsv4")
@@ -151,5 +153,5 @@ def test_nextn_on_deepseek_v4_drafts_on_dsv4_and_refuses_other_backends(v4, caps
     assert "draft extend   dsv4           the target's prefill half" in out
     with pytest.raises(ValueError, match="attention backend 'torch_native' .from speculative_draft_attention_backend. "
                                          "cannot run DeepSeek-V4's sparse attention; use one of: dsv4"):
-        EngineConfig.from_flat(model=v4, device="cpu", speculative_algorithm="NEXTN",
-                               speculative_draft_attention_backend="torch_native").resolve()
+        resolve_config(EngineConfig.from_flat(model=v4, device="cpu", speculative_algorithm="NEXTN",
+                                              speculative_draft_attention_backend="torch_native"))

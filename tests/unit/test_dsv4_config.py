@@ -9,6 +9,7 @@ import torch
 
 from kestrel.attention.registry import REGISTRY, attention_backends
 from kestrel.config import EngineConfig
+from kestrel.config_resolve import resolve_config
 from kestrel.models.deepseek_v4.config import parse_v4_config
 from kestrel.models.deepseek_v4.kv_layout import v4_kv_layout
 
@@ -79,24 +80,25 @@ def test_bad_compress_ratio_is_a_clear_error() -> None:
 
 def test_v4_model_defaults_to_dsv4_and_rejects_other_backends() -> None:
     assert REGISTRY["dsv4"].dsv4 and not REGISTRY["torch_native"].dsv4
-    resolved = EngineConfig.from_flat(model=str(SLICE), device="cpu").resolve()
+    resolved = resolve_config(EngineConfig.from_flat(model=str(SLICE), device="cpu"))
     assert (attention_backends(resolved).prefill, attention_backends(resolved).decode) == ("dsv4", "dsv4")
     for flags in ({"attention_backend": "torch_native"}, {"decode_attention_backend": "torch_native"},
                   {"prefill_attention_backend": "torch_native", "decode_attention_backend": "dsv4"}):
         with pytest.raises(ValueError, match="cannot run DeepSeek-V4's sparse attention; use one of: dsv4"):
-            EngineConfig.from_flat(model=str(SLICE), device="cpu", **flags).resolve()
+            resolve_config(EngineConfig.from_flat(model=str(SLICE), device="cpu", **flags))
 
 
 def test_dsv4_backend_for_another_model_is_an_error() -> None:
     with pytest.raises(ValueError, match="serves only DeepSeek-V4 models"):
-        EngineConfig.from_flat(model="demo", device="cpu", decode_attention_backend="dsv4").resolve()
+        resolve_config(EngineConfig.from_flat(model="demo", device="cpu", decode_attention_backend="dsv4"))
 
 
 def test_page_size_defaults_to_the_kv_block_ratio_for_v4_and_1_otherwise(caplog) -> None:
-    with caplog.at_level("INFO", logger="kestrel.config"):
-        v4 = EngineConfig.from_flat(model=str(SLICE), device="cpu").resolve()
+    with caplog.at_level("INFO", logger="kestrel.config_resolve"):
+        v4 = resolve_config(EngineConfig.from_flat(model=str(SLICE), device="cpu"))
     assert v4.cache.page_size == 128 and "page_size 128" in caplog.text
-    assert EngineConfig.from_flat(model=str(SLICE), device="cpu", page_size=256).resolve().cache.page_size == 256
-    assert EngineConfig.from_flat(model="demo", device="cpu").resolve().cache.page_size == 1
+    assert resolve_config(EngineConfig.from_flat(model=str(SLICE), device="cpu", page_size=256)).cache.page_size \
+        == 256
+    assert resolve_config(EngineConfig.from_flat(model="demo", device="cpu")).cache.page_size == 1
     with pytest.raises(ValueError, match="page_size must be a multiple of 128 .* got 64; use --page-size 128"):
-        EngineConfig.from_flat(model=str(SLICE), device="cpu", page_size=64).resolve()
+        resolve_config(EngineConfig.from_flat(model=str(SLICE), device="cpu", page_size=64))

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from kestrel.config import EngineConfig
+from kestrel.config_resolve import resolve_config
 from kestrel.distributed.parallel_state import ParallelState
 from kestrel.layers.linear import Slice, attention_heads, qkv_slices
 from kestrel.models.deepseek_v4.loading import is_remote_expert
@@ -16,7 +17,7 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 128, 
 
 def resolve(tmp_path, hf=LLAMA, **kw) -> EngineConfig:
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    return EngineConfig.from_flat(model=str(tmp_path), device="cpu", **kw).resolve()
+    return resolve_config(EngineConfig.from_flat(model=str(tmp_path), device="cpu", **kw))
 
 
 @pytest.mark.parametrize("flags, message", [

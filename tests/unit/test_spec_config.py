@@ -8,6 +8,7 @@ import pytest
 
 from kestrel.cli import add_engine_flags, config_from_args
 from kestrel.config import EngineConfig
+from kestrel.config_resolve import resolve_config
 
 
 def _folder(path, **config):
@@ -18,7 +19,7 @@ def _folder(path, **config):
 
 
 def v4_config() -> dict:
-    """A whole DeepSeek-V4 config (resolve() reads its KV layout for the page size), with one MTP layer."""
+    """A whole DeepSeek-V4 config (resolution reads its KV layout for the page size), with one MTP layer."""
     from tests.model.dsv4_reference import RefConfig
 
     return {**RefConfig().native_config(), "architectures": ["DeepseekV4ForCausalLM"], "num_nextn_predict_layers": 1}
@@ -38,7 +39,7 @@ def dirs(tmp_path):
 
 
 def spec(dirs, model="target", **kw):
-    return EngineConfig.from_flat(model=dirs[model], device="cpu", **kw).resolve().speculative
+    return resolve_config(EngineConfig.from_flat(model=dirs[model], device="cpu", **kw)).speculative
 
 
 def shape(s) -> tuple[int, int, int]:
@@ -60,8 +61,8 @@ def test_auto_choice_when_none_of_the_three_is_set(dirs, algorithm, draft, model
 
 def test_an_eagle_head_on_a_target_outside_the_llama_family_gets_a_chain(dirs, tmp_path):
     other = _folder(tmp_path / "other", architectures=["DeepseekV3ForCausalLM"])
-    s = EngineConfig.from_flat(model=other, device="cpu", speculative_algorithm="EAGLE",
-                               speculative_draft_model_path=dirs["eagle"]).resolve().speculative
+    s = resolve_config(EngineConfig.from_flat(model=other, device="cpu", speculative_algorithm="EAGLE",
+                                              speculative_draft_model_path=dirs["eagle"])).speculative
     assert shape(s) == (3, 1, 4)
 
 
@@ -113,8 +114,8 @@ def test_draft_paths(dirs):
         spec(dirs, speculative_algorithm="STANDALONE", speculative_draft_model_path=dirs["other_vocab"])
     with pytest.raises(ValueError, match="not a Hugging Face model folder"):
         spec(dirs, speculative_algorithm="STANDALONE", speculative_draft_model_path=dirs["target"] + "-missing")
-    bundled = EngineConfig.from_flat(model="demo", device="cpu", speculative_algorithm="STANDALONE",
-                                     speculative_draft_model_path="demo-draft").resolve().speculative
+    bundled = resolve_config(EngineConfig.from_flat(model="demo", device="cpu", speculative_algorithm="STANDALONE",
+                                                    speculative_draft_model_path="demo-draft")).speculative
     assert bundled.speculative_draft_model_path.endswith("assets/demo-draft")  # a bundled name, resolved
 
 
@@ -139,7 +140,7 @@ def test_cli_flags_reach_the_config(dirs):
                               "--speculative-draft-model-path", dirs["eagle"], "--speculative-num-steps", "3",
                               "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "5",
                               "--speculative-disable-batch-size", "8"])
-    s = config_from_args(args).resolve().speculative
+    s = resolve_config(config_from_args(args)).speculative
     assert (s.speculative_algorithm, s.speculative_draft_model_path) == ("EAGLE", dirs["eagle"])
     assert shape(s) == (3, 2, 5) and s.speculative_disable_batch_size == 8
 
@@ -158,16 +159,16 @@ def test_nextn_on_deepseek_v4_takes_chains_and_the_targets_own_mtp_layer(dirs, t
     v4.mkdir()
     (v4 / "config.json").write_text(json.dumps(RefConfig().native_config()))  # DeepSeek's n_mtp_layers spelling
     cfg = dict(model=str(v4), device="cpu", speculative_algorithm="NEXTN")
-    s = EngineConfig.from_flat(**cfg).resolve().speculative
+    s = resolve_config(EngineConfig.from_flat(**cfg)).speculative
     assert shape(s) == (3, 1, 4) and s.speculative_draft_model_path == str(v4)
     tree = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=4)
     with pytest.raises(ValueError, match="speculative_eagle_topk=2: a DeepSeek-V4 target verifies chains only"):
-        EngineConfig.from_flat(**cfg, **tree).resolve()
+        resolve_config(EngineConfig.from_flat(**cfg, **tree))
     with pytest.raises(ValueError, match="NGRAM is not supported on DeepSeek-V4 targets"):
-        EngineConfig.from_flat(**{**cfg, "speculative_algorithm": "NGRAM"}).resolve()
+        resolve_config(EngineConfig.from_flat(**{**cfg, "speculative_algorithm": "NGRAM"}))
     with pytest.raises(ValueError, match="NEXTN drafts with the target's own MTP layers: speculative_draft_model_path "
                                          "must be the target's folder"):
-        EngineConfig.from_flat(**cfg, speculative_draft_model_path=dirs["mtp"]).resolve()
+        resolve_config(EngineConfig.from_flat(**cfg, speculative_draft_model_path=dirs["mtp"]))
 
 
 def test_nextn_is_refused_on_a_target_that_is_not_deepseek_v4(dirs):
