@@ -162,7 +162,8 @@ def _explain(args: argparse.Namespace) -> int:
 
 BENCHES = {"one-batch": "kestrel.bench.one_batch", "offline": "kestrel.bench.offline",
            "serving": "kestrel.bench.serving", "closed-loop": "kestrel.bench.closed_loop",
-           "perplexity": "kestrel.bench.perplexity", "grammar": "kestrel.bench.grammar"}
+           "perplexity": "kestrel.bench.perplexity", "grammar": "kestrel.bench.grammar",
+           "spec": "kestrel.bench.spec"}
 
 
 def configure_logging(level: str | None) -> None:

@@ -1,6 +1,7 @@
-"""Shared pieces of the benchmarks: workloads, the physical floor, timing, reporting."""
+"""Shared pieces of the benchmarks: the engine they run, workloads, the physical floor, timing, reporting."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -11,6 +12,16 @@ from statistics import median
 from typing import Any
 
 import torch
+
+
+def engine_from_args(args: argparse.Namespace, **overrides: Any):
+    """The Engine that a bench verb's engine flags (`kestrel.cli.add_engine_flags`) ask for, logging set up
+    at --log-level first; `overrides` replace flags by config field name (a variant of the same run)."""
+    from kestrel.cli import config_from_args, configure_logging
+    from kestrel.engine.engine import Engine
+
+    configure_logging(args.log_level)
+    return Engine(config=config_from_args(argparse.Namespace(**{**vars(args), **overrides})))
 
 
 def random_lengths(n: int, length: int, range_ratio: float, rng: random.Random) -> list[int]:

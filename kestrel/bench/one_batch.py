@@ -14,9 +14,11 @@ import time
 
 import torch
 
-from kestrel.bench.common import copy_bandwidth, decode_read_bytes, median, now, random_prompts, report, weight_bytes
+from kestrel.bench.common import (copy_bandwidth, decode_read_bytes, engine_from_args, median, now, random_prompts,
+                                  report, weight_bytes)
 from kestrel.bench.plot import check_plot_available, plot_sweep
-from kestrel.cli import add_engine_flags, config_from_args, configure_logging
+from kestrel.bench.profile import add_profile_flag, profiled
+from kestrel.cli import add_engine_flags
 from kestrel.core.sampling_params import SamplingParams
 
 
@@ -124,15 +126,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--json", default=None, help="write the result here (a list under 'runs' for several batch sizes)")
     parser.add_argument("--plot", default=None, help="draw throughput and decode-step latency per batch size as a PNG here")
+    add_profile_flag(parser)
     args = parser.parse_args(argv)
     check_plot_available(args.plot)
-    configure_logging(args.log_level)
-    from kestrel.engine.engine import Engine
-
-    engine = Engine(config=config_from_args(args))
+    engine = engine_from_args(args)
     run(engine, args.batch_size[0], args.input_len, min(args.output_len, 8))  # warm-up
     bandwidth = copy_bandwidth(engine.device)
-    runs = [measure(engine, args, bs, bandwidth) for bs in args.batch_size]
+    with profiled(args.profile, engine):
+        runs = [measure(engine, args, bs, bandwidth) for bs in args.batch_size]
     summaries = [summary for summary, _ in runs]
     for i, summary in enumerate(summaries):
         last = i == len(summaries) - 1
