@@ -217,3 +217,13 @@ def report(title: str, rows: list[tuple[str, Any]], result: dict[str, Any], json
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(result, indent=2))
+
+
+def require_interpreter() -> None:
+    """A kernel benchmark's --smoke runs its Triton kernels on the CPU through Triton's interpreter, which
+    kestrel chooses once, when it is first imported (kestrel.envs): so it must be set before the command."""
+    from kestrel.envs import triton_interpret
+
+    if not triton_interpret():
+        raise SystemExit("--smoke runs the Triton kernels on the CPU through Triton's interpreter: set "
+                         "TRITON_INTERPRET=1 before the command (kestrel reads it once, when first imported)")
