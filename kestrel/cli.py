@@ -116,7 +116,7 @@ def _explain(args: argparse.Namespace) -> int:
 BENCHES = {"one-batch": "kestrel.bench.one_batch", "offline": "kestrel.bench.offline",
            "serving": "kestrel.bench.serving", "cpu-serving": "kestrel.bench.cpu_serving",
            "closed-loop": "kestrel.bench.closed_loop", "perplexity": "kestrel.bench.perplexity",
-           "grammar": "kestrel.bench.grammar"}
+           "grammar": "kestrel.bench.grammar", "spec": "kestrel.bench.spec"}
 
 
 def configure_logging(level: str | None) -> None:

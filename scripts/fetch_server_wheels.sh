@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Download the server's pure-Python dependencies that the H200 image lacks into .whl/ (git-ignored via
-# .git/info/exclude), for `run` calls that carry ".whl" (scripts/gpu_serving.sh installs them there).
+# Download the server's pure-Python dependencies into .whl/ (git-ignored via .git/info/exclude), for a GPU
+# machine whose image lacks them and has no package index: bring .whl/ along, and the stages of
+# scripts/gpu.sh that need them install them from there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exclude=$(git rev-parse --git-path info/exclude)  # .git is a file in a worktree

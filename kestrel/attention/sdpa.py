@@ -29,7 +29,7 @@ from kestrel.core.forward_mode import ForwardMode
 from kestrel.layers.attention import AttentionLayer
 from kestrel.quant.kv import from_pool
 
-# From scripts/bench_prefill_attention.py on the H200 (docs/benchmarks.md): this path costs ~0.13 ms per
+# From kestrel/bench/kernels/prefill_attention.py on the H200 (docs/benchmarks.md): this path costs ~0.13 ms per
 # request and layer beyond the cuDNN call (storing K/V, layouts), so the Triton kernel's single launch
 # wins at 1k new tokens (0.23 against 0.35 ms) and this path from about 1.5k on (4k: 0.47 against 0.88 ms).
 FAST_MAX_REQUESTS = 8

@@ -19,9 +19,10 @@ from collections import Counter
 
 import torch
 
-from kestrel.bench.common import (add_random_dataset_flags, median, percentile, random_dataset, report,
-                                  warm_up_workload)
-from kestrel.cli import add_engine_flags, config_from_args, configure_logging
+from kestrel.bench.common import (add_random_dataset_flags, engine_from_args, median, percentile, random_dataset,
+                                  report, warm_up_workload)
+from kestrel.bench.profile import add_profile_flag, profiled
+from kestrel.cli import add_engine_flags
 from kestrel.core.sampling_params import SamplingParams
 
 
@@ -105,14 +106,13 @@ def main(argv: list[str] | None = None) -> None:
     add_random_dataset_flags(parser, num_prompts=320, input_len=1000, output_len=500, range_ratio=0.2)
     parser.add_argument("--max-concurrency", type=int, default=64, help="requests kept in flight (default 64)")
     parser.add_argument("--json", default=None, help="write the result here")
+    add_profile_flag(parser)
     args = parser.parse_args(argv)
-    configure_logging(args.log_level)
-    from kestrel.engine.engine import Engine
-
-    engine = Engine(config=config_from_args(args))
+    engine = engine_from_args(args)
     prompts, out_lens = random_dataset(args, engine.vocab_size)
     run(engine, *warm_up_workload(args.num_prompts, engine.vocab_size, args.seed), args.max_concurrency)
-    result = run(engine, prompts, out_lens, args.max_concurrency)
+    with profiled(args.profile, engine):
+        result = run(engine, prompts, out_lens, args.max_concurrency)
     rows = [(k, v) for k, v in result.items() if not isinstance(v, (list, dict))]
     rows.append(("slowest 1 % of steps, by mode", result["slowest_1pct_by_mode"]))
     rows.append(("piecewise CUDA graph replays, by mode", result["piecewise_graph_replays"]))

@@ -1,6 +1,7 @@
-"""Shared pieces of the benchmarks: workloads, the physical floor, timing, reporting."""
+"""Shared pieces of the benchmarks: the engine they run, workloads, the physical floor, timing, reporting."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -11,6 +12,16 @@ from statistics import median
 from typing import Any
 
 import torch
+
+
+def engine_from_args(args: argparse.Namespace, **overrides: Any):
+    """The Engine that a bench verb's engine flags (`kestrel.cli.add_engine_flags`) ask for, logging set up
+    at --log-level first; `overrides` replace flags by config field name (a variant of the same run)."""
+    from kestrel.cli import config_from_args, configure_logging
+    from kestrel.engine.engine import Engine
+
+    configure_logging(args.log_level)
+    return Engine(config=config_from_args(argparse.Namespace(**{**vars(args), **overrides})))
 
 
 def random_lengths(n: int, length: int, range_ratio: float, rng: random.Random) -> list[int]:
@@ -210,3 +221,13 @@ def report(title: str, rows: list[tuple[str, Any]], result: dict[str, Any], json
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(result, indent=2))
+
+
+def require_interpreter() -> None:
+    """A kernel benchmark's --smoke runs its Triton kernels on the CPU through Triton's interpreter, which
+    kestrel chooses once, when it is first imported (kestrel.envs): so it must be set before the command."""
+    from kestrel.envs import triton_interpret
+
+    if not triton_interpret():
+        raise SystemExit("--smoke runs the Triton kernels on the CPU through Triton's interpreter: set "
+                         "TRITON_INTERPRET=1 before the command (kestrel reads it once, when first imported)")

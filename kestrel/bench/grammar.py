@@ -21,8 +21,9 @@ import time
 
 import torch
 
-from kestrel.bench.common import report
-from kestrel.cli import add_engine_flags, config_from_args, configure_logging
+from kestrel.bench.common import engine_from_args, report
+from kestrel.bench.profile import add_profile_flag, profiled
+from kestrel.cli import add_engine_flags
 from kestrel.core.sampling_params import SamplingParams
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -119,15 +120,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="plain / constrained runs, alternated")
     parser.add_argument("--smoke", action="store_true", help="batch 4, 8 tokens, one repeat: checks the code")
     parser.add_argument("--json", default=None, help="write the result here")
+    add_profile_flag(parser)
     args = parser.parse_args(argv)
     if args.smoke:
         args.batch_size, args.output_len, args.repeats = 4, 8, 1
     if not 0 < args.constrained_fraction <= 1:
         parser.error("--constrained-fraction must be in (0, 1]")
-    configure_logging(args.log_level)
-    from kestrel.engine.engine import Engine
-
-    engine = Engine(config=config_from_args(args))
+    engine = engine_from_args(args)
     prompt = engine.tokenizer.encode(PROMPT) if engine.tokenizer is not None else [3, 4, 5]
     constrained = max(1, round(args.batch_size * args.constrained_fraction))
     plain = batch_params(args.batch_size, 0, args.grammar, args.output_len)
@@ -136,10 +135,11 @@ def main(argv: list[str] | None = None) -> None:
     # Alternated, so a neighbour's load on a shared machine falls on both alike.
     times: dict[str, list[float]] = {"plain": [], "constrained": []}
     outs = None
-    for _ in range(args.repeats):
-        times["plain"] += timed_run(engine, prompt, plain)[0]
-        steps, outs = timed_run(engine, prompt, mixed)
-        times["constrained"] += steps
+    with profiled(args.profile, engine):
+        for _ in range(args.repeats):
+            times["plain"] += timed_run(engine, prompt, plain)[0]
+            steps, outs = timed_run(engine, prompt, mixed)
+            times["constrained"] += steps
     step_ms = {k: statistics.median(v) * 1e3 if v else float("nan") for k, v in times.items()}
     mask = mask_work(engine, mixed, outs, args.batch_size, args.output_len)
     result = {"workload": {k: v for k, v in vars(args).items()} | {"model": engine.config.model.model,

@@ -13,9 +13,10 @@ import gc
 
 import torch
 
-from kestrel.bench.common import (StepRecorder, add_random_dataset_flags, now, random_dataset, report,
-                                  warm_up_workload)
-from kestrel.cli import add_engine_flags, config_from_args, configure_logging
+from kestrel.bench.common import (StepRecorder, add_random_dataset_flags, engine_from_args, now, random_dataset,
+                                  report, warm_up_workload)
+from kestrel.bench.profile import add_profile_flag, profiled
+from kestrel.cli import add_engine_flags
 from kestrel.core.sampling_params import SamplingParams
 
 
@@ -67,16 +68,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--transformers-prompts", type=int, default=256,
                         help="the first this many prompts make the transformers baseline (default 256)")
     parser.add_argument("--json", default=None, help="write the result here")
+    add_profile_flag(parser)
     args = parser.parse_args(argv)
-    configure_logging(args.log_level)
-    from kestrel.engine.engine import Engine
-
-    engine = Engine(config=config_from_args(args))
+    engine = engine_from_args(args)
     prompts, out_lens = random_dataset(args, engine.vocab_size)
     run_kestrel(engine, *warm_up_workload(args.num_prompts, engine.vocab_size, args.seed))
     recorder = StepRecorder(engine)
-    result = {"workload": vars(args) | {"model": engine.config.model.model},
-              "kestrel": run_kestrel(engine, prompts, out_lens)}
+    with profiled(args.profile, engine):
+        result = {"workload": vars(args) | {"model": engine.config.model.model},
+                  "kestrel": run_kestrel(engine, prompts, out_lens)}
     result["kestrel"]["steps"] = recorder.summary()
     recorder.detach()
     rows = [("prompts", args.num_prompts),

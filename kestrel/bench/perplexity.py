@@ -40,9 +40,8 @@ from pathlib import Path
 
 import torch
 
-from kestrel.bench.common import report
-from kestrel.cli import add_engine_flags, config_from_args, configure_logging
-from kestrel.config import EngineConfig
+from kestrel.bench.common import engine_from_args, report
+from kestrel.cli import add_engine_flags
 from kestrel.core.sampling_params import SamplingParams
 
 DEFAULT_CHUNK = 256
@@ -107,11 +106,10 @@ def score(engine, docs: list[list[int]], span: int | None = None) -> tuple[float
     return -math.fsum(logprobs), len(logprobs)
 
 
-def measure(config: EngineConfig, docs_of, span: int | None) -> dict:
-    """Perplexity of one engine configuration; `docs_of(tokenizer)` gives the token documents."""
-    from kestrel.engine.engine import Engine
-
-    with Engine(config=config) as engine:
+def measure(args: argparse.Namespace, options: dict, docs_of, span: int | None) -> dict:
+    """Perplexity of the engine that the flags in `args`, `options` replacing some, ask for; `docs_of(tokenizer)`
+    gives the token documents."""
+    with engine_from_args(args, **options) as engine:
         docs = docs_of(engine.tokenizer)
         start = time.perf_counter()
         nll, tokens = score(engine, docs, span)
@@ -155,7 +153,6 @@ def main(argv: list[str] | None = None) -> None:
                              "print each perplexity's ratio to auto")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
-    configure_logging(args.log_level)
     if args.model is None:
         args.model = "demo"
     if args.chunked_prefill_size is None:
@@ -180,8 +177,7 @@ def main(argv: list[str] | None = None) -> None:
 
     results, rows = [], []
     for name, options, goal in variants(args):
-        config = config_from_args(argparse.Namespace(**{**vars(args), **options}))
-        result = {"variant": name, **measure(config, docs_of, args.window)}
+        result = {"variant": name, **measure(args, options, docs_of, args.window)}
         auto = results[0]["perplexity"] if results else result["perplexity"]
         result["ratio_to_first"] = result["perplexity"] / auto
         result["goal_ratio"] = goal

@@ -17,7 +17,7 @@ it for M <= GEMV_MAX_M): at such M a step only streams the weights, and tl.dot p
 weight bytes in flight per program. Each GEMV program owns BLOCK_N output rows and a range of K, loads
 BLOCK_K-wide strips of FP8 weights, converts them in registers and reduces with tl.sum on CUDA cores, the
 activations quantized as above. The same kernel with SCALED off takes bf16/fp16 weights without scales
-(`gemv`, measured by scripts/bench_fp8.py only).
+(`gemv`, measured by kestrel/bench/kernels/fp8.py only).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from kestrel.quant.fp8_triton import to_fp8
 
 # The largest M whose activations are quantized inside the GEMM (see the module docstring).
 FUSED_QUANT_MAX_M = 64
-# The largest M that default_config gives the GEMV. 0 (never) until scripts/bench_fp8.py's GEMV rows on the
+# The largest M that default_config gives the GEMV. 0 (never) until kestrel/bench/kernels/fp8.py's GEMV rows on the
 # H200 show where it beats the tl.dot path; then set it from them (at most GEMV_LIMIT_M).
 GEMV_MAX_M = 0
 # The largest M the GEMV takes: a weight byte costs M FMAs on CUDA cores, and at M = 8 streaming the H200's
@@ -226,7 +226,7 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig |
 
 def default_dot_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
     """Tiles by M; split K when the tiles alone would leave most SMs idle (decode shapes).
-    A first guess, to be replaced by what scripts/bench_fp8.py measures on the H200."""
+    A first guess, to be replaced by what kestrel/bench/kernels/fp8.py measures on the H200."""
     sms = _sms(device)
     if m > FUSED_QUANT_MAX_M:
         return GemmConfig(block_m=128 if m >= 128 else 64, block_n=128, num_warps=8, num_stages=3,
@@ -321,7 +321,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor |
     """x [M, K] (float, M <= GEMV_LIMIT_M) @ weight [N, K]^T (+ bias) -> [M, N] in x's dtype, on CUDA cores.
     weight float8_e4m3fn with its 128 x 128 block scales: fp8_gemm's numerics (activations quantized per
     token and 128 inputs). weight_scale_inv None: a float weight taken as it is (bf16 decode; measured by
-    scripts/bench_fp8.py, not used by the models)."""
+    kestrel/bench/kernels/fp8.py, not used by the models)."""
     m, k = x.shape
     n = weight.shape[0]
     scaled = weight_scale_inv is not None

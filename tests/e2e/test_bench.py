@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from kestrel.bench.common import random_lengths
@@ -117,3 +118,68 @@ def test_plot_without_matplotlib_fails_before_the_benchmark_runs(monkeypatch, ca
                         find_spec(name, *a))
     assert main(["bench", "serving", "--base-url", "http://127.0.0.1:9", "--plot", "x.png"]) == 2
     assert "--plot needs matplotlib: pip install 'kestrel[plot]'" in capsys.readouterr().err
+
+
+def test_one_batch_profile_writes_a_table_per_engine_step(tiny_model, tmp_path):
+    flags = ["--model", tiny_model("llama"), "--device", "cpu", "--dtype", "float32", "--batch-size", "2",
+             "--input-len", "8", "--output-len", "4"]
+    assert main(["bench", "one-batch", *flags, "--profile", str(tmp_path / "decode.txt")]) == 0
+    table = (tmp_path / "decode.txt").read_text().splitlines()
+    assert re.fullmatch(r"CPU operators, self time, per engine step \(mean of [1-9]\d* steps\)", table[0])
+    assert any("aten::" in line for line in table[2:-1]) and table[-1].split()[2] == "all"
+
+
+def test_profile_suffix_picks_a_trace_or_host_stats(tmp_path):
+    """`*.json`: a torch.profiler trace; `*.prof`: cProfile's stats; both count the block's engine steps."""
+    import pstats
+    import types
+
+    import torch
+
+    from kestrel.bench.profile import profiled
+
+    hooks = []
+    engine = types.SimpleNamespace(device=torch.device("cpu"), add_step_hook=hooks.append,
+                                   remove_step_hook=hooks.remove)
+
+    def steps():
+        for _ in range(3):
+            torch.ones(64, 64).matmul(torch.ones(64, 64))
+            hooks[0](None)
+
+    for name in ("trace.json", "host.prof"):
+        with profiled(str(tmp_path / name), engine):
+            steps()
+        assert hooks == []  # the step hook is gone with the block
+    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert any(e.get("name") == "aten::matmul" for e in trace)
+    assert any(name == "steps" for _, _, name in pstats.Stats(str(tmp_path / "host.prof")).stats)
+
+
+def test_spec_bench_takes_its_part_defaults_unless_a_flag_is_given(monkeypatch):
+    from kestrel.bench import spec
+
+    seen = []
+    monkeypatch.setitem(spec.PARTS, "llama8b", lambda args: seen.append(args) or [{"batch": 1}])
+    monkeypatch.setitem(spec.PARTS, "demo", lambda args: seen.append(args) or [{"batch": 1}])
+    assert main(["bench", "spec", "llama8b", "--max-running-requests", "8", "--rounds", "4"]) == 0
+    assert main(["bench", "spec", "--smoke", "--dtype", "bfloat16"]) == 0
+    llama, smoke = seen
+    assert (llama.model, llama.load_format, llama.device) == ("kestrel/assets/configs/llama-3.1-8b", "dummy", "cuda")
+    assert llama.max_running_requests == 8 and llama.rounds == 4 and llama.batch_sizes == [1, 8, 32]
+    assert (smoke.part, smoke.model, smoke.device, smoke.dtype) == ("demo", "demo", "cpu", "bfloat16")
+    assert smoke.batch_sizes == [1, 2] and smoke.output_len == 8 and smoke.disable_radix_cache
+
+
+def test_engine_from_args_builds_the_flags_engine_with_overrides(tiny_model):
+    import argparse
+
+    from kestrel.bench.common import engine_from_args
+    from kestrel.cli import add_engine_flags
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    args = parser.parse_args(["--model", tiny_model("llama"), "--device", "cpu", "--max-running-requests", "5"])
+    with engine_from_args(args, dtype="float32", max_running_requests=3) as engine:
+        assert engine.config.scheduler.max_running_requests == 3 and engine.config.model.dtype == "float32"
+    assert args.max_running_requests == 5  # the flags themselves are left as given

@@ -1,4 +1,4 @@
-"""The pieces of scripts/bench_dsv4.py whose figures are arithmetic or a baseline, checked on CPU: the KV
+"""The pieces of kestrel.bench.dsv4 whose figures are arithmetic or a baseline, checked on CPU: the KV
 bytes it reads off the engine's memory, spec §6's estimate, and that its dense layer is full causal
 attention. (The script itself runs end to end with `--smoke`.)"""
 from __future__ import annotations

@@ -136,7 +136,7 @@ class LengthAwareSplit:
     long ones with the same size need chunks 10x apart, and only the lengths tell them apart. The
     default target, 4096 programs, is ~16 per resident slot of an H200 (132 SMs x 2 programs of this
     kernel): with a greedy hardware scheduler the last program ends at most one chunk after the
-    average, about 1/16 of the step's time. Unmeasured: scripts/bench_decode_mixed.py sweeps it."""
+    average, about 1/16 of the step's time. Unmeasured: kestrel/bench/kernels/decode_attention.py sweeps it."""
 
     target_programs: int = 4096
     max_splits: int = 16  # the grid's split dimension; past it a long request's chunks grow instead

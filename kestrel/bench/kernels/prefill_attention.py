@@ -1,7 +1,7 @@
 """Prefill (EXTEND) attention: our Triton extend kernel and the sdpa backend against torch's SDPA kernels.
 
-    PYTHONPATH=. python scripts/bench_prefill_attention.py                 # H200: Llama-3.1-8B attention shape
-    TRITON_INTERPRET=1 PYTHONPATH=. python scripts/bench_prefill_attention.py --smoke   # CPU, tiny shapes
+    python -m kestrel.bench.kernels.prefill_attention                 # H200: Llama-3.1-8B attention shape
+    TRITON_INTERPRET=1 python -m kestrel.bench.kernels.prefill_attention --smoke   # CPU, tiny shapes
 
 One layer's attention, bf16, 32 query / 8 KV heads, head dim 128, for each case (single prompts of
 1k-16k tokens, a batch of mixed lengths, many short prompts, an extend after a cached prefix):
@@ -24,7 +24,6 @@ import json
 import math
 import os
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +33,7 @@ from torch.nn.attention.bias import causal_lower_right
 from kestrel.attention import sdpa as sdpa_module
 from kestrel.attention.sdpa import SdpaBackend
 from kestrel.attention.torch_native import TorchNativeBackend
+from kestrel.bench.common import require_interpreter, timed_ms
 from kestrel.cache.kv_memory import LayerKV
 from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.core.forward_batch import ForwardBatch
@@ -179,25 +179,6 @@ def backend_path(s: Setup, make_backend, page_size: int, gen):
     return call, backend, batch
 
 
-def time_ms(call, device, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, float32, CPU (with TRITON_INTERPRET=1)")
@@ -205,6 +186,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=None)
     args = parser.parse_args()
     smoke = args.smoke
+    if smoke:
+        require_interpreter()
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float32 if smoke else torch.bfloat16
     heads, kv_heads, head_dim = (4, 2, 16) if smoke else (32, 8, 128)
@@ -258,7 +241,7 @@ def main() -> None:
                 if not rel <= MAX_REL_ERR:
                     errors.append(f"{gqa}: relative error {rel:.2e} > {MAX_REL_ERR}")
                     continue
-                ms = time_ms(call, device, warmup, iters)
+                ms = statistics.median(timed_ms(call, device, iters, warmup=warmup))
                 row.update(gqa=gqa, rel_err=rel, ms=ms, tflops=flops / ms / 1e9)
                 break
             if "ms" not in row:

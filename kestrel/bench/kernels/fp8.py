@@ -1,7 +1,7 @@
 """FP8 on the GPU: GEMMs at Llama-3.1-8B's linear shapes, and decode attention over a bf16 vs an FP8 KV pool.
 
-    PYTHONPATH=. python scripts/bench_fp8.py              # prints tables, writes $OUT/fp8_gemm.json
-    PYTHONPATH=. python scripts/bench_fp8.py --gemv-only  # only M <= 8: what sets GEMV_MAX_M
+    python -m kestrel.bench.kernels.fp8              # prints tables, writes $OUT/fp8_gemm.json
+    python -m kestrel.bench.kernels.fp8 --gemv-only  # only M <= 8: what sets GEMV_MAX_M
 
 GEMMs (M = tokens in the batch): bf16 `F.linear`; `torch._scaled_mm` with per-tensor, row-wise and (where
 this torch and cuBLAS have it) 1x128 / 128x128 block scales, the GEMM alone, activations quantized
@@ -10,7 +10,7 @@ quantization included): the tl.dot path at its default config, and for M <= 8 th
 and at M = 1 the same GEMV over the bf16 weights. Every figure is the median over graph replays of one
 call per weight copy, copies cycled so that the weights come from HBM, not L2, as in a decode step; CUDA
 graphs, so launch gaps do not count (the engine replays graphs). The floor of each is its bytes
-(weights + activations + output) at the measured copy bandwidth.
+(weights + activations + output) at the measured copy bandwidth (kestrel.bench.common.copy_bandwidth).
 
 Attention: the Triton decode kernel at batch 64 x context 4096 (Llama-8B: 32 query heads, 8 KV heads,
 head_dim 128, one layer), bf16 vs fp8_e4m3 KV, a few split counts; floor: KV bytes at copy bandwidth.
@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kestrel.bench import common
+
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 LAYERS = 32
 ATTENTION = dict(batch=64, context=4096, heads=32, kv_heads=8, head_dim=128)
@@ -45,31 +47,10 @@ SWEEP_MS = GEMV_MS + (64,)
 
 def graph_time(calls: list, replays: int = 15) -> float:
     """Median ms per call of `calls` (closures) captured back to back in one CUDA graph."""
-    for call in calls:  # warm-up: compiles, picks cuBLAS kernels, allocates outside the graph
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    def all_calls() -> None:
         for call in calls:
             call()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    del graph
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a large device-to-device copy (read + write)."""
-    src = torch.empty(2**30, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    ms = graph_time([lambda: dst.copy_(src)] * 4)
-    return 2 * src.numel() / (ms / 1e3)
+    return statistics.median(common.graph_ms(all_calls, torch.device(DEVICE), replays)) / len(calls)
 
 
 def scaled_mm_methods(x: torch.Tensor, k: int, n: int):
@@ -377,14 +358,14 @@ def main() -> None:
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "fp8_gemm.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench_fp8 needs a CUDA GPU")
+        raise SystemExit("kestrel.bench.kernels.fp8 needs a CUDA GPU")
     cap = torch.cuda.get_device_capability()
     if cap < (8, 9):
         raise SystemExit(f"FP8 needs compute capability >= 8.9; this GPU is {cap[0]}.{cap[1]}")
     import triton
 
     started = time.time()
-    bandwidth = copy_bandwidth()
+    bandwidth = common.copy_bandwidth(torch.device(DEVICE))
     weights = make_weights()
     gemm = bench_gemms(weights, bandwidth, GEMV_MS if args.gemv_only else MS, scaled_mm=not args.gemv_only)
     attention = [] if args.gemv_only else bench_attention(bandwidth)

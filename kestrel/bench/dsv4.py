@@ -1,8 +1,9 @@
 """DeepSeek-V4 on the GPU (issue 15's figures): the V4-Flash-shaped slice with dummy weights, bf16.
 
-    PYTHONPATH=. python scripts/bench_dsv4.py            # CUDA; JSON to $OUT/dsv4.json (OUT default ./out)
-    PYTHONPATH=. python scripts/bench_dsv4.py --smoke    # the same code on CPU, a tiny V4 config, fp32
-    PYTHONPATH=. python scripts/bench_dsv4.py --kv-cache-dtype fp8_e4m3   # every section over FP8 KV entries
+    python -m kestrel.bench.dsv4            # CUDA; JSON to $OUT/dsv4.json (OUT default ./out)
+    python -m kestrel.bench.dsv4 --smoke    # the same code on CPU, a tiny V4 config, fp32 (from the repository
+                                            # root: the config is the model tests' tiny one)
+    python -m kestrel.bench.dsv4 --kv-cache-dtype fp8_e4m3   # every section over FP8 KV entries
 
 Sections (each in its own try: one failure or OOM is reported and the others still run):
 - kv_bytes: bytes one request at 32k context holds in the engine's KV memory, read off its tensors
@@ -40,7 +41,7 @@ from kestrel.bench.common import now, random_prompts
 from kestrel.bench.dsv4_kv import kv_bytes
 from kestrel.bench.dsv4_layers import LayerContext, dense_layer_ms, v4_layer_graph_ms, v4_layer_ms
 
-SLICE = str(Path(__file__).resolve().parents[1] / "kestrel/assets/configs/deepseek-v4-flash-slice")
+SLICE = str(Path(__file__).resolve().parents[1] / "assets/configs/deepseek-v4-flash-slice")
 FULL = dict(device="cuda", dtype="bfloat16", prefill_lens=[8192, 32768], decode_ctx=8192, decode_batches=[1, 32],
             layer_ctx=32768, chunk=None, decode_iters=8, layer_iters=5, chunk_iters=2)
 SMOKE = dict(device="cpu", dtype="float32", prefill_lens=[300, 600], decode_ctx=300, decode_batches=[1, 4],

@@ -1,8 +1,8 @@
 """DeepSeek-V4's sparse attention alone: the dsv4 backend's torch path against its Triton kernel
 (kestrel/attention/triton/dsv4_sparse.py) at Flash widths (64 heads, D 512, window 128, bf16).
 
-    PYTHONPATH=. python scripts/bench_dsv4_kernel.py           # CUDA, < 60 s; JSON to $OUT/dsv4_kernel.json
-    PYTHONPATH=. python scripts/bench_dsv4_kernel.py --smoke   # the same code on CPU (interpreter, tiny)
+    python -m kestrel.bench.kernels.dsv4_attention           # CUDA, < 60 s; JSON to $OUT/dsv4_kernel.json
+    TRITON_INTERPRET=1 python -m kestrel.bench.kernels.dsv4_attention --smoke   # the same code on CPU, tiny
 
 Cases (`DSV4Backend.attend` on random inputs, its step plan built before timing, as every layer after
 the first of its kind finds it): decode at batch 1 and 32 with 32k context (window only; ratio 4: window
@@ -25,7 +25,7 @@ import torch
 
 from kestrel.attention.dsv4 import DSV4Backend, WindowKeys
 from kestrel.attention.dsv4_plan import StepPlan, V4Span
-from kestrel.bench.common import graph_ms, run_budgeted, timed_ms, write_result
+from kestrel.bench.common import graph_ms, require_interpreter, run_budgeted, timed_ms, write_result
 from kestrel.quant.kv_entries import RopeEntryFP8
 
 FULL = dict(device="cuda", dtype=torch.bfloat16, heads=64, dim=512, rope=64, window=128, topk=512, context=32768,
@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fp8", action="store_true", help="skip the packed FP8 cases")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile-size sweep")
     args = parser.parse_args(argv)
+    if args.smoke:
+        require_interpreter()
     p = SMOKE if args.smoke else FULL
     started = time.monotonic()
     todo = [(label, r, b, e, False, None) for label, r, b, e in cases(p, False)]

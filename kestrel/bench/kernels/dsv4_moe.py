@@ -3,8 +3,8 @@ every token (`add_routed_every_expert`, the decode graphs' path up to EVERY_EXPE
 Triton grouped GEMM (`add_routed_fused`, fused_moe.py: the graphs' path above it, and eager on CUDA) and the
 hit-expert loop (`add_routed_hit_experts`, eager only: it reads the ids on the host).
 
-    PYTHONPATH=. python scripts/bench_dsv4_moe.py            # CUDA, < 3 min; JSON to $OUT/dsv4_moe.json
-    TRITON_INTERPRET=1 PYTHONPATH=. python scripts/bench_dsv4_moe.py --smoke   # the same code on CPU, tiny
+    python -m kestrel.bench.kernels.dsv4_moe            # CUDA, < 3 min; JSON to $OUT/dsv4_moe.json
+    TRITON_INTERPRET=1 python -m kestrel.bench.kernels.dsv4_moe --smoke   # the same code on CPU, tiny
 
 V4-Flash widths (hidden 4096, moe_intermediate 2048, 6 experts per token, bf16) at 16 local experts (the
 bench slice) and 256 (full Flash on one rank: 12.9 GB of expert weights), batches of 1, 8, 32 and 128 tokens
@@ -30,12 +30,12 @@ from statistics import median
 
 import torch
 
-from kestrel.bench.common import copy_bandwidth, graph_ms, run_budgeted, timed_ms, write_result
+from kestrel.bench.common import copy_bandwidth, graph_ms, require_interpreter, run_budgeted, timed_ms, write_result
 from kestrel.models.deepseek_v4 import fused_moe
 from kestrel.models.deepseek_v4.config import parse_v4_config
 from kestrel.models.deepseek_v4.moe import EVERY_EXPERT_MAX, V4MoE
 
-SLICE_CONFIG = Path(__file__).resolve().parents[1] / "kestrel/assets/configs/deepseek-v4-flash-slice/config.json"
+SLICE_CONFIG = Path(__file__).resolve().parents[2] / "assets/configs/deepseek-v4-flash-slice/config.json"
 FULL = dict(device="cuda", dtype=torch.bfloat16, hidden=4096, inter=2048, k=6, experts=[16, 256],
             tokens=[1, 8, 32, 128, 2048], iters=20, prefill_iters=5, prefill_from=2048)
 SMOKE = dict(device="cpu", dtype=torch.float32, hidden=64, inter=48, k=3, experts=[4, 20], tokens=[1, 8, 40],
@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=str, default=None, help="token counts, e.g. 1,8,32,128,2048")
     parser.add_argument("--sweep", action="store_true", help="also time the fused path's tile sizes (SWEEP)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        require_interpreter()
     p = dict(SMOKE if args.smoke else FULL)
     for key in ("experts", "tokens"):
         if getattr(args, key):

@@ -1,8 +1,10 @@
-"""Decode attention on batches of mixed context lengths: the uniform split against the length-aware one.
+"""Decode attention (the Triton decode kernel): the uniform split against the length-aware one on batches
+of mixed context lengths, and the kernel's launch configurations.
 
-    PYTHONPATH=. python scripts/bench_decode_mixed.py        # table last, JSON to $OUT/decode_mixed.json
-    PYTHONPATH=. python scripts/bench_decode_mixed.py --smoke   # the same code on CPU (Triton's interpreter),
-                                                                # lengths / 128, host timers, no graphs
+    python -m kestrel.bench.kernels.decode_attention          # table last, JSON to $OUT/decode_mixed.json
+    TRITON_INTERPRET=1 python -m kestrel.bench.kernels.decode_attention --smoke  # the same code on CPU (Triton's
+                                                      # interpreter), lengths / 128, host timers, no graphs
+    python -m kestrel.bench.kernels.decode_attention --cases 256x2048 --launch-sweep   # pick the launch defaults
 
 One layer of the Llama-3.1-8B shape (32 query heads, 8 KV heads, head_dim 128, bf16 or with
 `--kv-dtype fp8_e4m3` an FP8 pool, page size 1 with scattered slots) through `decode_attention`, as the Triton backend calls it, for each case below and
@@ -16,7 +18,12 @@ split aiming at T programs, `LengthAwareSplit(target_programs=T)`, the engine's 
 - `skewed`, batch 177: 85 % short (U[64, 1024]) and 15 % long (U[8192, 12288]), the worst case for a
   one-program-per-request grid;
 - `64x4096`, `1x8192`: equal lengths (the uniform rule's measured cases);
-- `8-mixed`: batch 8, contexts ~ U[256, 8192].
+- `8-mixed`: batch 8, contexts ~ U[256, 8192];
+- `256x2048`: equal lengths, 2 GiB of KV per call (where the launch defaults were chosen).
+
+`--launch-sweep` instead times the uniform split at each launch configuration of LAUNCH_SWEEP (BLOCK_N,
+warps, pipeline stages) on the chosen cases (a configuration that does not fit the GPU is reported as
+failed), against the same copy bandwidth.
 
 Each figure is the median of CUDA-event timings after warm-up, eager (`eager ms`, the length-aware plan
 made beforehand, as the engine makes it once per step for all layers) and inside a captured CUDA graph
@@ -38,6 +45,8 @@ import time
 
 import torch
 
+from kestrel.bench.common import require_interpreter
+
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DEVICE = "cuda"  # "cpu" with --smoke
 L2_BYTES = 256 * 2**20  # KV read per timed unit at least this (5x the H200's 50 MB L2)
@@ -56,16 +65,21 @@ def case_lengths(name: str, rng: random.Random) -> list[int]:
         return [8192]
     if name == "8-mixed":
         return [rng.randint(256, 8192) for _ in range(8)]
+    if name == "256x2048":
+        return [2048] * 256
     raise ValueError(f"unknown case {name!r}; valid: {', '.join(CASES)}")
 
 
-CASES = ("r0-mid", "u2k-6k", "skewed", "64x4096", "1x8192", "8-mixed")
+CASES = ("r0-mid", "u2k-6k", "skewed", "64x4096", "1x8192", "8-mixed", "256x2048")
+DEFAULT_CASES = CASES[:-1]
+# (BLOCK_N, num_warps, num_stages) for --launch-sweep.
+LAUNCH_SWEEP = [(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
 
 
 def median_ms(fn, reps: int, graphed: bool) -> float:
     """Median ms of fn() (CUDA events; the host clock on CPU), or with `graphed` of the replays of a CUDA
     graph that captured it (on CPU, which has no graphs, of fn() itself)."""
-    from kestrel.bench.common import graph_ms, timed_ms  # after --smoke has set TRITON_INTERPRET
+    from kestrel.bench.common import graph_ms, timed_ms
 
     device = torch.device(DEVICE)
     times = graph_ms(fn, device, reps) if graphed and DEVICE == "cuda" else timed_ms(fn, device, reps, warmup=3)
@@ -102,7 +116,7 @@ class Case:
                        for s in self.new_slots]
 
 
-def run_policy(case: Case, policy, block_n: int, plan_inside: bool):
+def run_policy(case: Case, policy, block_n: int, plan_inside: bool, num_warps: int = 4, num_stages: int = 3):
     """fn() running one decode_attention per KV copy (one timed unit), for `policy` (None: uniform)."""
     from kestrel.attention.triton.decode import decode_attention, length_aware_plan, uniform_splits
 
@@ -117,14 +131,34 @@ def run_policy(case: Case, policy, block_n: int, plan_inside: bool):
             k_new, v_new = case.new_kv[c]
             decode_attention(case.q, k_new, v_new, case.k_buf, case.v_buf, case.out, case.table, rows, case.seq,
                              case.new_slots[c], 1 / math.sqrt(HEAD_DIM), None, DEVICE == "cpu", num_splits,
-                             block_n=block_n,
-                             split_plan=p)
+                             block_n=block_n, num_warps=num_warps, num_stages=num_stages, split_plan=p)
     return fn
+
+
+def launch_sweep(case: Case, name: str, reps: int, bandwidth: float | None, smoke: bool) -> list[dict]:
+    """The uniform split at each launch configuration: eager ms and the KV read rate, one row each."""
+    rows = []
+    for block_n, warps, stages in [(16, 4, 2), (16, 4, 3)] if smoke else LAUNCH_SWEEP:
+        row = {"case": name, "batch": len(case.lengths), "block_n": block_n, "warps": warps, "stages": stages,
+               "kv_bytes": case.kv_bytes}
+        try:
+            ms = median_ms(run_policy(case, None, block_n, False, warps, stages), reps, False) / case.copies
+        except Exception as e:  # noqa: BLE001 - a configuration that does not fit (shared memory): say so
+            row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+            print(f"  BLOCK_N {block_n:>3} warps {warps} stages {stages}: failed ({row['error']})")
+        else:
+            row.update(eager_ms=ms, eager_tb_s=case.kv_bytes / ms / 1e9,
+                       share_of_copy_bw=case.kv_bytes / (ms / 1e3) / bandwidth if bandwidth else None)
+            print(f"  BLOCK_N {block_n:>3} warps {warps} stages {stages}: {ms:.3f} ms  {row['eager_tb_s']:.2f} TB/s")
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), choices=CASES)
+    parser.add_argument("--launch-sweep", action="store_true",
+                        help="time the uniform split at each (BLOCK_N, warps, stages) of LAUNCH_SWEEP instead")
     parser.add_argument("--targets", nargs="+", type=int, default=[1024, 2048, 4096, 8192],
                         help="length-aware target_programs to try (default: 1024 2048 4096 8192)")
     parser.add_argument("--chunks", nargs="+", type=int, default=[512, 1024, 2048],
@@ -141,20 +175,20 @@ def main() -> None:
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "decode_mixed.json"))
     args = parser.parse_args()
     global DEVICE
-    if args.smoke:  # before kestrel (and with it triton) is imported
-        os.environ["TRITON_INTERPRET"] = "1"
+    if args.smoke:
+        require_interpreter()
         DEVICE = "cpu"
         args.reps, args.targets, args.chunks, args.block_n = 1, [4096], [16], 16
     elif not torch.cuda.is_available():
-        raise SystemExit("bench_decode_mixed needs a CUDA GPU (or --smoke)")
+        raise SystemExit("kestrel.bench.kernels.decode_attention needs a CUDA GPU (or --smoke)")
     from kestrel.attention.triton.decode import LengthAwareSplit, length_aware_plan, uniform_splits
     from kestrel.bench.common import copy_bandwidth
 
     started = time.time()
     bandwidth = copy_bandwidth(torch.device(DEVICE), gib=4.0)
-    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     if bandwidth:
-        print(f"{name}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (4 GiB, read + written)")
+        print(f"{device_name}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (4 GiB, read + written)")
     policies = [("uniform", None)] + [(f"length/{t}", LengthAwareSplit(target_programs=t, max_splits=args.max_splits,
                                                                          min_chunk=args.block_n))
                                       for t in args.targets]
@@ -169,6 +203,9 @@ def main() -> None:
         batch = len(lengths)
         print(f"{name}: batch {batch}, contexts {min(lengths)}-{max(lengths)} (mean {sum(lengths) / batch:.0f}), "
               f"KV {case.kv_bytes / 2**20:.0f} MiB per call, {case.copies} cop{'y' if case.copies == 1 else 'ies'}")
+        if args.launch_sweep:
+            rows += launch_sweep(case, name, args.reps, bandwidth, args.smoke)
+            continue
         run_policy(case, None, args.block_n, False)()
         reference = case.out.float().clone()
         for label, policy in policies:
@@ -199,10 +236,18 @@ def main() -> None:
     elapsed = time.time() - started
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"device": name, "copy_bandwidth_bytes_s": bandwidth,
-                   "block_n": args.block_n, "kv_dtype": args.kv_dtype, "max_splits": args.max_splits, "seconds": elapsed, "rows": rows}, f,
-                  indent=1)
+        json.dump({"device": device_name, "copy_bandwidth_bytes_s": bandwidth, "block_n": args.block_n,
+                   "kv_dtype": args.kv_dtype, "max_splits": args.max_splits, "launch_sweep": args.launch_sweep,
+                   "seconds": elapsed, "rows": rows}, f, indent=1)
     print(f"\n{len(rows)} timings in {elapsed:.0f} s; JSON: {args.json}\n")
+    if args.launch_sweep:
+        print("| case | BLOCK_N | warps | stages | eager ms | TB/s | of copy bw |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            share = f"{100 * r['share_of_copy_bw']:.1f} %" if r.get("share_of_copy_bw") else "-"
+            timing = f"{r['eager_ms']:.3f} | {r['eager_tb_s']:.2f}" if "eager_ms" in r else "failed | -"
+            print(f"| {r['case']} | {r['block_n']} | {r['warps']} | {r['stages']} | {timing} | {share} |")
+        return
     print("| case | batch | policy | programs | max chunk | eager ms | graph ms | plan us | graph TB/s | of copy bw |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -1,0 +1,238 @@
+#!/usr/bin/env bash
+# The GPU runs of docs/benchmarks.md, by named stage, on a CUDA machine from the repository root:
+#
+#   bash scripts/gpu.sh OUT_DIR STAGE [STAGE ...]
+#
+# Every stage writes its JSON, logs and tables under OUT_DIR and has its own time limit, so one slow or
+# failing stage leaves the others' results. The machine's GPU and library versions go to OUT_DIR/gpu.txt.
+# The model is the Llama-3.1-8B shape with dummy weights unless a stage says otherwise.
+#
+# Stages:
+#   tests           tests/gpu (TESTS_TIMEOUT, default 420 s)
+#   cpu-tests       the model and engine tests on this machine's torch / transformers, GPU hidden
+#   one-batch       decode latency at batch 1 and 64, 128 / 128 tokens (ONE_BATCH_BS: the batch sizes)
+#   one-batch-sync  batch 1 without overlap scheduling, to see what the overlap hides
+#   one-batch-fp8   batch 1 with --quantization fp8, through the tl.dot path (GEMV_MAX_M=0) and the GEMV (1)
+#   profile-decode  kernels of eager decode steps per batch size (PROFILE_BS, default "1 64"): --profile tables
+#   offline-512     1000 x 512/256 prompts against transformers generate() at batch 128
+#   offline-4k-r0   500 x 4096/2048, random range ratio 0 (SGLang's CI workload); -r1: fixed lengths.
+#   offline-4k-r1   OFFLINE_FLAGS: engine flags, OFFLINE_TAG: a suffix for the JSON's name, OFFLINE_PROMPTS,
+#                   OFFLINE_TIMEOUT (default 290 s)
+#   serving         `kestrel serve` + the HTTP benchmark at concurrency 64 (SERVING_PROMPTS, default 320), then
+#                   one-batch at batch 64 with 600-token prompts (ONE_BATCH_OUTPUT output tokens, default 300)
+#   tail            the serving workload against one server per variant in VARIANTS, with the server's own ITL
+#                   histogram; SWEEP="8 32 64": also a concurrency sweep with its plot on the first server
+#   closed-loop     the serving workload in process (kestrel bench closed-loop), one engine per variant in VARIANTS
+#                   (PROMPTS, default 320)
+#   piecewise       lone 400- and 1000-token prefills eager and with piecewise CUDA graphs; the closed loop with
+#                   --enable-mixed-chunk without and with them (and VARIANTS); tests/gpu/test_piecewise_graph_gpu.py
+#   grammar         grammar masks per decode step at batch 64 (tool call, half tool call, JSON schema); needs
+#                   a Llama 3 tokenizer in .tok/llama3 (scripts/llama3_tokenizer.py, tokenizer.json gzipped)
+#   spec            kestrel bench spec demo and llama8b, with a kernel profile of the 5/4/8 round at batch 1
+#   kernels         the FP8 GEMV at M <= 8; decode attention at mixed lengths, bf16 and over an FP8 pool
+#   decode-launch   the decode kernel's launch configurations at 256 x 2048
+#   prefill-attention  the Triton extend kernel and the sdpa backend against torch's SDPA kernels
+#   fp8             the FP8 GEMMs and decode attention, every method and the sweeps (kestrel.bench.kernels.fp8)
+#   dsv4            the DeepSeek-V4 slice (bf16 and FP8 entries), its sparse attention alone, and the perplexity
+#                   comparison on demo's held-out files, which travel in heldout_texts/ (docs/benchmarks.md)
+#   dsv4-moe        DeepSeek-V4's routed experts: every expert, the grouped GEMM, the loop
+#
+# VARIANTS: "label|engine or server flags" entries separated by ";", e.g. "default|;mixed|--enable-mixed-chunk".
+# Stages that start a server, and `tests` and `grammar`, need the server's pure-Python dependencies: where this
+# machine lacks them, run scripts/fetch_server_wheels.sh on a machine that has them and bring .whl/ along.
+set -u
+OUT=${1:?usage: bash scripts/gpu.sh OUT_DIR STAGE [STAGE ...]}
+shift
+[ $# -gt 0 ] || { echo "gpu.sh: name at least one stage (the list is at the top of scripts/gpu.sh)" >&2; exit 2; }
+mkdir -p "$OUT"
+export OUT PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+LLAMA="--model kestrel/assets/configs/llama-3.1-8b --load-format dummy"
+ONE_BATCH="$LLAMA --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 64"
+SERVER_LOG_WAIT=240
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', \
+transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$OUT/gpu.txt"
+
+server_deps() {  # the wheels in .whl/, where there are any, into a private site folder
+  if ls .whl/*.whl > /dev/null 2>&1 && [ -z "${SERVER_DEPS:-}" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl || return 1
+    export PYTHONPATH=$PYTHONPATH:/tmp/site SERVER_DEPS=1
+  fi
+}
+
+start_server() {  # start_server LOG FLAGS...: a dummy-weight server on port 30000; its pid in $server
+  local log=$1
+  shift
+  python3 -m kestrel.cli serve $LLAMA --port 30000 "$@" > "$log" 2>&1 &
+  server=$!
+  for _ in $(seq $SERVER_LOG_WAIT); do grep -q "ready on" "$log" && return 0; sleep 1; done
+  tail -30 "$log"
+  stop_server
+  return 1
+}
+
+stop_server() {
+  kill -TERM "$server" 2> /dev/null
+  wait "$server"
+}
+
+each_variant() {  # each_variant FUNCTION: FUNCTION LABEL FLAGS for every "label|flags" entry of VARIANTS
+  local entry
+  IFS=';' read -ra entries <<< "${VARIANTS:-default|}"
+  for entry in "${entries[@]}"; do
+    "$1" "${entry%%|*}" "${entry#*|}"
+  done
+}
+
+one_batch() {  # one_batch TIMEOUT JSON_NAME FLAGS...
+  local limit=$1 name=$2
+  shift 2
+  timeout "$limit" python3 -m kestrel.cli bench one-batch "$@" --json "$OUT/$name.json" 2>&1 \
+    | grep -v "^\s*$" | grep -v " INFO " | tail -14
+}
+
+offline_4k() {  # offline_4k RATIO
+  timeout "${OFFLINE_TIMEOUT:-290}" python3 -m kestrel.cli bench offline $LLAMA --num-prompts "${OFFLINE_PROMPTS:-500}" \
+    --random-input-len 4096 --random-output-len 2048 --random-range-ratio "$1" \
+    --json "$OUT/offline_4096_2048_r$1${OFFLINE_TAG:-}.json" ${OFFLINE_FLAGS:-} 2>&1 | tail -10
+}
+
+closed_loop() {  # closed_loop LABEL FLAGS
+  echo "== closed loop $1 ($2)"
+  timeout 240 python3 -m kestrel.cli bench closed-loop $LLAMA --num-prompts "${PROMPTS:-320}" --max-concurrency 64 \
+    --json "$OUT/closed_$1.json" $2 2>&1 | grep -vE "INFO|WARNING" | tail -30
+}
+
+tail_variant() {  # tail_variant LABEL FLAGS: the serving workload against a fresh server
+  start_server "$OUT/server_$1.log" $2 || return 1
+  echo "== $1 ($2)"
+  timeout 150 python3 -m kestrel.cli bench serving --base-url http://127.0.0.1:30000 \
+    --num-prompts "${SERVING_PROMPTS:-320}" --max-concurrency 64 --random-input-len 1000 --random-output-len 500 \
+    --random-range-ratio 0.2 --json "$OUT/tail_$1.json" 2>&1 | tail -11
+  # The server's own ITL histogram (tokens as the HTTP process receives them from the engine), to tell
+  # stalls in the engine from stalls on the way to the client.
+  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:30000/metrics').read().decode())" \
+    | grep -E "inter_token_latency_seconds_(bucket|count)" > "$OUT/metrics_$1.txt"
+  if [ -n "${SWEEP:-}" ]; then  # once, on the first variant's server: throughput and latency against concurrency
+    timeout 200 python3 -m kestrel.cli bench serving --base-url http://127.0.0.1:30000 --num-prompts 96 \
+      --max-concurrency $SWEEP --random-input-len 1000 --random-output-len 200 --random-range-ratio 0.2 \
+      --json "$OUT/serving_sweep.json" --plot "$OUT/serving_sweep.png" 2>&1 | grep -E "prompts|output tok/s|p99"
+    SWEEP=
+  fi
+  stop_server
+}
+
+run_stage() {
+  case $1 in
+    tests)
+      server_deps || return 1
+      timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest tests/gpu -q -p no:cacheprovider -rf --durations=10 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    cpu-tests)
+      CUDA_VISIBLE_DEVICES= timeout 150 python3 -m pytest tests/model tests/e2e/test_engine.py -q -p no:cacheprovider \
+        -x 2>&1 | tee "$OUT/cpu_tests.log" | tail -3 ;;
+    one-batch)
+      for bs in ${ONE_BATCH_BS:-1 64}; do one_batch 200 "one_batch_bs$bs" $ONE_BATCH --batch-size "$bs"; done ;;
+    one-batch-sync)
+      one_batch 200 one_batch_bs1_sync $ONE_BATCH --batch-size 1 --disable-overlap-schedule ;;
+    one-batch-fp8)
+      for max_m in 0 1; do  # GEMV_MAX_M is a module constant: set it in the process before the benchmark runs
+        echo "== one-batch --quantization fp8, GEMV_MAX_M=$max_m"
+        timeout 100 python3 -c "import sys; import kestrel.layers.fp8_gemm_triton as g; g.GEMV_MAX_M = $max_m
+from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:]))" \
+          $ONE_BATCH --batch-size 1 --quantization fp8 --json "$OUT/one_batch_fp8_gemv$max_m.json" 2>&1 \
+          | grep -v "^\s*$" | tail -11
+      done ;;
+    profile-decode)
+      for bs in ${PROFILE_BS:-1 64}; do
+        one_batch 150 "profile_decode_bs$bs" $LLAMA --attention-backend triton --disable-cuda-graph --batch-size "$bs" \
+          --input-len 256 --output-len 8 --profile "$OUT/profile_decode_bs$bs.txt"
+        head -25 "$OUT/profile_decode_bs$bs.txt"
+      done ;;
+    offline-512)
+      timeout 300 python3 -m kestrel.cli bench offline $LLAMA --num-prompts 1000 --random-input-len 512 \
+        --random-output-len 256 --random-range-ratio 1 --transformers-batch-size 128 --transformers-prompts 256 \
+        --json "$OUT/offline_512_256.json" 2>&1 | tail -12 ;;
+    offline-4k-r0) offline_4k 0 ;;
+    offline-4k-r1) offline_4k 1 ;;
+    serving)
+      server_deps || return 1
+      start_server "$OUT/server.log" || return 1
+      timeout 200 python3 -m kestrel.cli bench serving --base-url http://127.0.0.1:30000 \
+        --num-prompts "${SERVING_PROMPTS:-320}" --max-concurrency 64 --random-input-len 1000 --random-output-len 500 \
+        --random-range-ratio 0.2 --vocab-size 128000 --json "$OUT/serving_c64.json" 2>&1 | tail -12
+      stop_server
+      one_batch 150 one_batch_bs64_600 $LLAMA --batch-size 64 --input-len 600 --output-len "${ONE_BATCH_OUTPUT:-300}" \
+        --max-total-tokens 131072 --cuda-graph-max-bs 64 ;;
+    tail)
+      server_deps || return 1
+      each_variant tail_variant ;;
+    closed-loop)
+      each_variant closed_loop ;;
+    piecewise)
+      for flags in "" "--enable-piecewise-cuda-graph"; do
+        for len in 400 1000; do
+          echo "== lone $len-token prefill ${flags:-eager}"
+          one_batch 150 "prefill_${len}${flags:+_piecewise}" $LLAMA --batch-size 1 --input-len "$len" --output-len 4 \
+            $flags | grep -E "prefill|batch size"
+        done
+      done
+      VARIANTS="mixed|--enable-mixed-chunk;mixed_pw|--enable-mixed-chunk --enable-piecewise-cuda-graph${VARIANTS:+;$VARIANTS}" \
+        each_variant closed_loop
+      timeout 120 python3 -m pytest -q -s tests/gpu/test_piecewise_graph_gpu.py 2>&1 | tail -8 ;;
+    grammar)
+      server_deps || return 1
+      # The tokenizer travels gzipped: the working tree a copy to the GPU machine carries may be bounded.
+      mkdir -p /tmp/llama3 && cp .tok/llama3/tokenizer_config.json /tmp/llama3/ \
+        && gunzip -c .tok/llama3/tokenizer.json.gz > /tmp/llama3/tokenizer.json || return 1
+      for variant in "tool 1.0" "tool 0.5" "json 1.0"; do
+        set -- $variant
+        echo "== grammar $1, constrained fraction $2"
+        timeout 150 python3 -m kestrel.cli bench grammar $LLAMA --tokenizer /tmp/llama3 --batch-size 64 --grammar "$1" \
+          --constrained-fraction "$2" --output-len 96 --repeats 2 --json "$OUT/grammar_$1_$2.json" 2>&1 \
+          | grep -v "^\s*$" | tail -8
+      done ;;
+    spec)
+      timeout 280 python3 -m kestrel.cli bench spec demo --json "$OUT/spec_demo.json" 2>&1 | grep -v INFO | tail -12
+      timeout 300 python3 -m kestrel.cli bench spec llama8b --json "$OUT/spec_llama8b.json" \
+        --profile "$OUT/spec_profile.txt" 2>&1 | grep -v INFO | tail -14 ;;
+    kernels)
+      timeout 230 python3 -m kestrel.bench.kernels.fp8 --gemv-only --budget 200 2>&1 | tail -40
+      timeout 200 python3 -m kestrel.bench.kernels.decode_attention 2>&1 | tail -30
+      for block_n in 64 128; do  # an FP8 pool read slower than bf16 at 64 x 4096: too few bytes in flight?
+        timeout 90 python3 -m kestrel.bench.kernels.decode_attention --kv-dtype fp8_e4m3 --block-n $block_n \
+          --cases r0-mid 64x4096 --targets 4096 --chunks 1024 --json "$OUT/decode_mixed_fp8_n$block_n.json" 2>&1 \
+          | tail -8
+      done ;;
+    decode-launch)
+      timeout 200 python3 -m kestrel.bench.kernels.decode_attention --cases 256x2048 --launch-sweep \
+        --json "$OUT/decode_launch.json" 2>&1 | tail -16 ;;
+    prefill-attention)
+      timeout 300 python3 -m kestrel.bench.kernels.prefill_attention 2>&1 | tail -50 ;;
+    fp8)
+      timeout 400 python3 -m kestrel.bench.kernels.fp8 --budget 300 2>&1 | tail -60 ;;
+    dsv4)
+      timeout 200 python3 -m kestrel.bench.dsv4 2>&1 | tail -25
+      timeout 150 python3 -m kestrel.bench.dsv4 --kv-cache-dtype fp8_e4m3 --only kv_bytes,prefill,decode 2>&1 | tail -15
+      timeout 120 python3 -m kestrel.bench.kernels.dsv4_attention --budget-s 90 2>&1 | tail -25
+      timeout 100 python3 -m kestrel.cli bench perplexity --compare --text heldout_texts/* \
+        --json "$OUT/perplexity.json" 2>&1 | grep -v INFO | tail -16 ;;
+    dsv4-moe)
+      timeout 170 python3 -m kestrel.bench.kernels.dsv4_moe --budget-s 150 2>&1 | tail -25 ;;
+    *)
+      echo "gpu.sh: unknown stage '$1' (the list is at the top of scripts/gpu.sh)" >&2
+      return 2 ;;
+  esac
+}
+
+started=$(date +%s)
+for stage in "$@"; do
+  echo "=== $stage"
+  stage_start=$(date +%s)
+  run_stage "$stage" || echo "stage $stage failed"
+  echo "=== $stage: $(( $(date +%s) - stage_start )) s"
+done
+echo "all stages: $(( $(date +%s) - started )) s"
