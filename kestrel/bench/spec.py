@@ -254,7 +254,8 @@ PARTS = {"demo": demo, "llama8b": llama8b}
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="kestrel bench spec", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", nargs="?", choices=list(PARTS), default="demo")
+    parser.add_argument("part", nargs="?", choices=list(PARTS), default="demo",
+                        help="demo (default): the demo model and its drafts; llama8b: an 8B shape, timings only")
     add_engine_flags(parser)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default: demo 1 8 32 64, "
                                                                                  "llama8b 1 8 32")
