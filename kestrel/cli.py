@@ -23,7 +23,7 @@ HELP = {
     "mem_fraction_static": "share of GPU memory for the weights and the KV pool (default 0.85)",
     "max_running_requests": "most requests decoding at once (default: 1024 on GPU, 64 on CPU)",
     "kv_cache_dtype": "auto (the model dtype), fp8_e4m3 or fp8_e5m2: the KV cache in FP8, half the bytes of bf16 "
-                      "(DeepSeek-V4: fp8_e4m3 only, spec §6's packed 584 B entries)",
+                      "(DeepSeek-V4: fp8_e4m3 only, packed 584 B entries, docs/design/deepseek-v4.md §6)",
     "quantization": "fp8: linear weights in FP8 (block-scaled e4m3; a float checkpoint is quantized at load). "
                     "Default: what the checkpoint holds",
     "enable_piecewise_cuda_graph": "replay CUDA graphs between the attention calls of prefill (EXTEND) and "

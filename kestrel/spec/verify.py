@@ -1,4 +1,5 @@
-"""One TARGET_VERIFY of a draft tree, its acceptance and the KV rollback (spec §2, steps 3-5).
+"""One TARGET_VERIFY of a draft tree, its acceptance and the KV rollback
+(docs/design/speculative-decoding.md §2, steps 3-5).
 
 Shared by every algorithm: the proposer (a draft model, or n-gram matching) gives a DraftTree per
 request; the target scores all its nodes in one forward with the tree mask; acceptance walks the tree
