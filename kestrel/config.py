@@ -73,7 +73,7 @@ class CacheConfig:
     disable_radix_cache: bool = option(False, "do not reuse the KV of prompt prefixes across requests")
     kv_cache_dtype: str = option("auto", "auto (the model dtype), fp8_e4m3 or fp8_e5m2: the KV cache in FP8, half "
                                          "the bytes of bf16 (DeepSeek-V4: fp8_e4m3 only, its packed 584-byte "
-                                         "entries)", choices=("auto", "fp8_e4m3", "fp8_e5m2"))
+                                         "entries, docs/design/deepseek-v4.md §6)", choices=("auto", "fp8_e4m3", "fp8_e5m2"))
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Routes each batch to the prefill or the decode backend by forward mode (spec §3)."""
+"""Routes each batch to the prefill or the decode backend by forward mode (docs/design/attention-backends.md §3)."""
 from __future__ import annotations
 
 import torch

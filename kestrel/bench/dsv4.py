@@ -7,7 +7,8 @@
 
 Sections (each in its own try: one failure or OOM is reported and the others still run):
 - kv_bytes: bytes one request at 32k context holds in the engine's KV memory, read off its tensors
-  (window rings, compressed blocks, indexer keys, compressor state), against spec §6's arithmetic; for
+  (window rings, compressed blocks, indexer keys, compressor state), against the arithmetic of
+  docs/design/deepseek-v4.md §6; for
   both entry formats (`--kv-cache-dtype` picks the one the engine, and so every other section, runs);
 - prefill: one prompt of 8k and of 32k tokens through the Engine, chunked as its default; the time in
   the attention sublayers (CUDA events around each `V4Attention.forward`) against the whole forward;
@@ -350,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds from the start: a section that would begin (or, for decode, finish its "
                              "prefills) past it is skipped")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
-                        help="the engine's V4 KV entries: the model dtype, or spec §6's packed FP8 (584 B entries)")
+                        help="the engine's V4 KV entries: the model dtype, or packed FP8 (584 B entries, "
+                             "docs/design/deepseek-v4.md §6)")
     parser.add_argument("--only", default=None, help="comma-separated sections to run (kv_bytes, prefill, decode, "
                                                      "layers, prefill_dense); default all")
     args = parser.parse_args(argv)

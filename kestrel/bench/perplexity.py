@@ -1,4 +1,4 @@
-"""Perplexity of a text through the engine: the quality check of FP8 KV and FP8 weights (issue 16).
+"""Perplexity of a text through the engine: the quality check of FP8 KV and FP8 weights.
 
     python -m kestrel.bench.perplexity                       # demo, on demo's held-out files
     python -m kestrel.bench.perplexity --compare             # auto, FP8 KV, FP8 weights, both: ratios to auto

@@ -1,4 +1,4 @@
-"""Packed FP8 KV entries: DeepSeek-V4's format (spec §6, SGLang's), one uint8 row per entry.
+"""Packed FP8 KV entries: DeepSeek-V4's format (docs/design/deepseek-v4.md §6, SGLang's), one uint8 row per entry.
 
 A pool buffer declared with a codec (`KVBuffer.codec`) stores `codec.nbytes` bytes per entry of
 `codec.width` values; the backend encodes on store and decodes the rows a step gathers, straight to the

@@ -43,8 +43,9 @@ def resolve_quantization(quantization: str | None, kv_cache_dtype: str, hf: dict
     if needs_dsv4_attention(hf.get("architectures") or []):
         if kv_cache_dtype not in ("auto", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported for DeepSeek-V4: its FP8 KV "
-                             "entries are e4m3 with power-of-two scales per 64 values (spec §6); use "
-                             "kv_cache_dtype 'auto' (the model dtype) or 'fp8_e4m3'")
+                             "entries are e4m3 with power-of-two scales per 64 values "
+                             "(docs/design/deepseek-v4.md §6); use kv_cache_dtype 'auto' (the model dtype) or "
+                             "'fp8_e4m3'")
         if quantization is not None:
             raise ValueError("quantization 'fp8' is not supported for DeepSeek-V4: its loader dequantizes the "
                              "checkpoint's FP8/FP4 weights to the model dtype; leave quantization unset")

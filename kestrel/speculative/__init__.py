@@ -1,2 +1,2 @@
-"""Speculative decoding building blocks (specs/speculative.md): flag resolution, the draft-backend
+"""Speculative decoding building blocks (docs/design/speculative-decoding.md): flag resolution, the draft-backend
 factory, draft trees, acceptance, the n-gram proposer."""

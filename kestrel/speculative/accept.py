@@ -1,4 +1,5 @@
-"""Acceptance: which drafted nodes the target's verify confirms, and the bonus token (spec §2, step 4).
+"""Acceptance: which drafted nodes the target's verify confirms, and the bonus token
+(docs/design/speculative-decoding.md §2, step 4).
 
 Batched over requests, device-agnostic; loops run over tree depth only. Both rules walk from the
 root: greedy takes the child equal to the target's argmax; sampling keeps the output distributed

@@ -1,4 +1,5 @@
-"""The draft model's attention backends (spec §4, attention-backends.md §6).
+"""The draft model's attention backends (docs/design/speculative-decoding.md §4,
+docs/design/attention-backends.md §6).
 
 From the draft resolution (`registry.draft_attention_backends`: the override for every phase, else the
 target's pair) one factory builds:

@@ -1,4 +1,5 @@
-"""A round's draft-decode forwards (spec §2, step 1): `topk` lanes per request, tree drafting.
+"""A round's draft-decode forwards: `topk` lanes per request, tree drafting
+(docs/design/speculative-decoding.md §2, step 1).
 
 Each lane is a path of the draft tree being grown. Lane j of request b attends to the request's
 committed draft KV (its `req_to_token` row, positions [0, P)) and to its own ancestors' draft KV from

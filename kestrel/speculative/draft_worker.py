@@ -1,4 +1,5 @@
-"""The speculative loop of the draft-model algorithms: EAGLE, EAGLE-3, NEXTN and STANDALONE (spec §2).
+"""The speculative loop of the draft-model algorithms: EAGLE, EAGLE-3, NEXTN and STANDALONE
+(docs/design/speculative-decoding.md §2).
 
 Every step the target runs, the draft catches up on the same positions (DRAFT_EXTEND), so that at
 the end of a step the draft's KV covers exactly the positions with target KV, and a feature draft

@@ -1,4 +1,5 @@
-"""NGRAM drafting: propose what followed earlier occurrences of the request's last tokens (spec §1).
+"""NGRAM drafting: propose what followed earlier occurrences of the request's last tokens
+(docs/design/speculative-decoding.md §1).
 
 No model: the request's last 1..`max_match` tokens are matched against its own prompt + output so far,
 longest match first and, among equally long ones, the most recent first. The continuations of the

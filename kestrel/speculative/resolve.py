@@ -1,5 +1,5 @@
 """Resolution of the speculative flags: SGLang's auto-choice of the draft shape, the draft model's path,
-and the checks that can fail at start-up instead of at the first request (spec §1)."""
+and the checks that can fail at start-up instead of at the first request (docs/design/speculative-decoding.md §1)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,5 @@
-"""Draft trees: from the draft steps' top-k to the nodes TARGET_VERIFY scores (spec §2, steps 1-3).
+"""Draft trees: from the draft steps' top-k to the nodes TARGET_VERIFY scores
+(docs/design/speculative-decoding.md §2, steps 1-3).
 
 Pure tensor functions, batched over requests, on any device; the only Python loops run over draft
 steps or tree depth. A round, per request:

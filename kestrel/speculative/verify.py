@@ -1,4 +1,5 @@
-"""One TARGET_VERIFY of a draft tree and its acceptance, as a commit plan (spec §2, steps 3-4).
+"""One TARGET_VERIFY of a draft tree and its acceptance, as a commit plan
+(docs/design/speculative-decoding.md §2, steps 3-4).
 
 Shared by every algorithm: the proposer (a draft model, or n-gram matching) gives a DraftTree per
 request; the target scores all its nodes in one forward with the tree mask; acceptance walks the tree

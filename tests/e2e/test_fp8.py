@@ -216,7 +216,7 @@ def test_unsupported_checkpoint_quantizations_are_refused(tmp_path):
 def test_deepseek_v4_takes_fp8_e4m3_kv_and_refuses_other_fp8_options_with_a_reason():
     v4 = str(Path(__file__).parents[2] / "kestrel/assets/configs/deepseek-v4-flash-slice")
     resolved = resolve_config(EngineConfig.from_flat(model=v4, device="cpu", kv_cache_dtype="fp8_e4m3"))
-    assert resolved.cache.kv_cache_dtype == "fp8_e4m3"  # spec §6's packed entries (docs/deepseek-v4.md)
+    assert resolved.cache.kv_cache_dtype == "fp8_e4m3"  # packed entries, docs/design/deepseek-v4.md §6
     with pytest.raises(ValueError, match="'fp8_e5m2' is not supported for DeepSeek-V4.*'auto'.*or 'fp8_e4m3'"):
         resolve_config(EngineConfig.from_flat(model=v4, device="cpu", kv_cache_dtype="fp8_e5m2"))
     with pytest.raises(ValueError, match="dequantizes the checkpoint's FP8/FP4 weights"):

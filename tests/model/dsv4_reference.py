@@ -1,8 +1,8 @@
-"""A naive DeepSeek-V4 written from the spec (docs: /work/shared/specs/deepseek-v4.md), for tests only.
+"""A naive DeepSeek-V4 written from docs/design/deepseek-v4.md (the "§N" below are its sections), for tests only.
 
-Full recomputation of one sequence at a time, in float32, with the spec's tier-A choices: the QAT
+Full recomputation of one sequence at a time, in float32, with the tier-A choices of §7: the QAT
 round-trips (FP8 / FP4 / Hadamard) are left out. Weights are a dict keyed by DeepSeek's native names
-(spec §1.3). It shares no code with kestrel on purpose: it is the oracle the engine's incremental,
+(§1.3). It shares no code with kestrel on purpose: it is the oracle the engine's incremental,
 batched, cached implementation is compared against, so loops and masks here favour being obviously
 right over being fast. A quantized KV cache is checked by passing the cache's round trip as
 `kv_store` / `index_key_store`: the reference then reads every K=V entry and indexer key as stored.
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class RefConfig:
-    """Spec §7 tier A. `compress_ratios` has one entry per main layer plus the MTP layer's."""
+    """§7 tier A. `compress_ratios` has one entry per main layer plus the MTP layer's."""
 
     vocab_size: int = 512
     hidden_size: int = 256

@@ -1,7 +1,7 @@
 """DeepSeek-V4 through its incremental path (KV memory from its layout, dsv4 backend) against the
-independent reference in `dsv4_reference.py`, on the spec's tier-A tiny config in float32.
+independent reference in `dsv4_reference.py`, on the tier-A tiny config of docs/design/deepseek-v4.md §7 in float32.
 
-One change from spec §7: 16 indexer heads instead of 4. An indexer score is exactly 0 when every
+One change from that config: 16 indexer heads instead of 4. An indexer score is exactly 0 when every
 head's ReLU is 0 (1/16 of the blocks with 4 random heads), and top-k among exact ties is arbitrary, so
 two correct implementations would pick different blocks; with 16 heads that is 1 in 65536.
 """

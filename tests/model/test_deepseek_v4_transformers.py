@@ -1,9 +1,10 @@
-"""DeepSeek-V4 against transformers' port (a second, independent oracle), where it agrees with the spec.
+"""DeepSeek-V4 against transformers' port (a second, independent oracle), where it agrees with
+docs/design/deepseek-v4.md.
 
 With `index_topk >= seq_len / 4` every visible block is attended, so indexer ties cannot make the two
-differ (spec §8). The weights are the reference's, renamed here by hand to transformers' names; the
+differ (docs/design/deepseek-v4.md §8). The weights are the reference's, renamed here by hand to transformers' names; the
 transformers model is then saved and read back through kestrel's loader, so this also tests the HF
-naming path. Known differences from the spec are in docs/deepseek-v4.md.
+naming path. Known differences are in docs/deepseek-v4.md.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The pieces of kestrel.bench.dsv4 whose figures are arithmetic or a baseline, checked on CPU: the KV
-bytes it reads off the engine's memory, spec §6's estimate, and that its dense layer is full causal
-attention. (The script itself runs end to end with `--smoke`.)"""
+bytes it reads off the engine's memory, the estimate of docs/design/deepseek-v4.md §6, and that its dense
+layer is full causal attention. (The benchmark itself runs end to end with `--smoke`.)"""
 from __future__ import annotations
 
 import json
@@ -22,7 +22,7 @@ def test_spec_estimate_reproduces_the_flash_figure_and_the_slice_arithmetic() ->
     cfg = parse_v4_config(json.loads((SLICE / "config.json").read_text()))
     spec = spec_kv_bytes(cfg, 32768)
     assert spec["entry_bytes"] == 584 and spec["index_key_bytes"] == 132
-    assert spec["flash_slope"] == pytest.approx(3850, abs=1)  # the spec's ≈ 3.85 KB/token for full Flash
+    assert spec["flash_slope"] == pytest.approx(3850, abs=1)  # docs/design/deepseek-v4.md §6: ≈ 3.85 KB/token for full Flash
     # The slice: 3 ratio-4 and 3 ratio-128 layers, 8 + 1 rings of 128 entries.
     assert spec["bytes_per_token"] == 3 * 716 / 4 + 3 * 584 / 128 + 9 * 128 * 584 / 32768
 
@@ -30,7 +30,7 @@ def test_spec_estimate_reproduces_the_flash_figure_and_the_slice_arithmetic() ->
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_measured_kv_bytes_are_the_layouts_declared_bytes(dtype: torch.dtype) -> None:
     """Read off the tensors of a KV memory built from the slice's layout = the layout's own accounting,
-    with entries in bf16 and packed FP8 (spec §6's 584 B entries and 132 B indexer keys)."""
+    with entries in bf16 and packed FP8 (584 B entries and 132 B indexer keys)."""
     cfg = parse_v4_config(json.loads((SLICE / "config.json").read_text()))
     layout = v4_kv_layout(cfg, dtype)
     memory = KVMemory([layout], 1024, 128, 2, 1024, "cpu")

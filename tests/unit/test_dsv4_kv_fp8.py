@@ -1,4 +1,4 @@
-"""DeepSeek-V4's packed FP8 KV entries (kestrel/quant/kv_entries.py, spec §6): the round trip of a K=V
+"""DeepSeek-V4's packed FP8 KV entries (kestrel/quant/kv_entries.py, docs/design/deepseek-v4.md §6): the round trip of a K=V
 entry and of an indexer key against the e4m3 bound, the byte counts, and which kv_cache_dtype V4 takes.
 Runtime < 1 s."""
 from __future__ import annotations

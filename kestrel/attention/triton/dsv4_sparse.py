@@ -1,6 +1,6 @@
 """DeepSeek-V4's sparse attention in one kernel: per query token, one softmax over its window keys and
 its compressed entries, with the attention sink, for every head (what `DSV4Backend.attend`'s torch
-path computes; spec §2).
+path computes; docs/design/deepseek-v4.md §2.7).
 
 MQA with one K=V head: every head of a token reads the same key rows, so a program takes one token and a
 tile of BLOCK_H heads, loads a tile of BLOCK_N key rows once and uses it for both products of all its

@@ -1,4 +1,4 @@
-"""One V4 attention sublayer (spec §2): low-rank q with a per-head norm, one K=V head, partial
+"""One V4 attention sublayer (docs/design/deepseek-v4.md §2): low-rank q with a per-head norm, one K=V head, partial
 interleaved rope, sliding window + compressed entries (ratio 4: indexer top-k; ratio 128: all visible
 blocks), attention sink, inverse rope on the output and the grouped low-rank output projection."""
 from __future__ import annotations
@@ -21,7 +21,7 @@ class V4Attention(nn.Module):
         self.layer_id, self.ratio = layer_id, ratio
         self.heads, self.head_dim, self.groups = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
         self.window, self.eps = cfg.sliding_window, cfg.rms_norm_eps
-        self.scale = self.head_dim ** -0.5  # no YaRN mscale (spec §2.1)
+        self.scale = self.head_dim ** -0.5  # no YaRN mscale (docs/design/deepseek-v4.md §2.1)
         self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.heads * self.head_dim, bias=False)

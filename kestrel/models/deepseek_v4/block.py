@@ -1,4 +1,5 @@
-"""One V4 decoder block: attention and MoE sublayers, each between its own mHC pre/post (spec §3)."""
+"""One V4 decoder block: attention and MoE sublayers, each between its own mHC pre/post
+(docs/design/deepseek-v4.md §3)."""
 from __future__ import annotations
 
 import torch

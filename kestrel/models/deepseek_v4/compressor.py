@@ -1,4 +1,5 @@
-"""The KV compressor (spec §2.5): every `ratio` tokens become one gated-pooled, normalised, roped entry.
+"""The KV compressor: every `ratio` tokens become one gated-pooled, normalised, roped entry
+(docs/design/deepseek-v4.md §2.5).
 
 Ratio 4 overlaps ("κ = 2"): block i pools over 8 candidates, the previous block's tokens through the
 first half of the projections and its own tokens through the second half. Ratio 128 pools over its own

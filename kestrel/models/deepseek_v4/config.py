@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 COMPRESS_RATIOS = (0, 4, 128)
-# HF's names for the three attention kinds (spec §1.2).
+# HF's names for the three attention kinds (docs/design/deepseek-v4.md §1.2).
 _LAYER_TYPE_RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 # What a config.json may ask of the rope, said where it asks for more (refused: silently dropping it would
@@ -30,7 +30,7 @@ class YarnConfig:
 @dataclass(frozen=True)
 class V4Config:
     """`compress_ratios[i]` for main layer i; `mtp_compress_ratio` for the MTP layer (always 0 in the
-    released models). `yarn` applies to the compressed layers' rope only (spec §2.1)."""
+    released models). `yarn` applies to the compressed layers' rope only (docs/design/deepseek-v4.md §2.1)."""
 
     architecture: str
     vocab_size: int
@@ -86,7 +86,7 @@ class V4Config:
 
     @property
     def num_key_value_heads(self) -> int:
-        return 1  # one K=V head (spec §2.3)
+        return 1  # one K=V head (docs/design/deepseek-v4.md §2.3)
 
 
 def is_native(config: dict[str, Any]) -> bool:

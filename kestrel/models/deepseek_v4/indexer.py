@@ -1,4 +1,5 @@
-"""The lightning indexer of ratio-4 layers (spec §2.6): picks each query's top-k compressed blocks.
+"""The lightning indexer of ratio-4 layers: picks each query's top-k compressed blocks
+(docs/design/deepseek-v4.md §2.6).
 
 Its own compressor (ratio 4, overlap, width index_head_dim) makes the block keys K^I. The score of a
 visible block i for query t is sum_h w_{t,h} ReLU(q^I_{t,h} . K^I_i). The Hadamard rotation and FP4

@@ -1,5 +1,5 @@
-"""What DeepSeek-V4 keeps in the engine's KV memory (spec §6), as `KVLayout`s: the main layers' (the
-target's) and the MTP layer's (a NEXTN draft's own pools).
+"""What DeepSeek-V4 keeps in the engine's KV memory (docs/design/deepseek-v4.md §6), as `KVLayout`s:
+the main layers' (the target's) and the MTP layer's (a NEXTN draft's own pools).
 
 Main layers. Per request (REQUEST rows, fixed size): every layer's sliding-window ring, and each
 compressor's raw rows of the block being filled (ratio 4 with overlap also the last full block: 2 x 4
@@ -17,8 +17,8 @@ a NEXTN draft's lanes write their throw-away KV into scratch slots like every ot
 verify's rejected tokens or a padded draft extend leave no trace in state a later step reads.
 
 Entry format (`--kv-cache-dtype`): `auto` stores K=V entries and indexer keys in the model dtype;
-`fp8_e4m3` stores them packed as spec §6 counts them (`kestrel/quant/kv_entries.py`: a K=V entry in
-584 B, an indexer key in 132 B at Flash's widths): the window rings, the compressed blocks, the
+`fp8_e4m3` stores them packed as docs/design/deepseek-v4.md §6 counts them (`kestrel/quant/kv_entries.py`:
+a K=V entry in 584 B, an indexer key in 132 B at Flash's widths): the window rings, the compressed blocks, the
 indexer keys and the MTP layer's window alike. The compressor state stays float32 either way.
 """
 from __future__ import annotations
@@ -52,8 +52,8 @@ def _index_key(cfg: V4Config, dtype: torch.dtype) -> KVBuffer:
 
 def _check_entry_dtype(dtype: torch.dtype) -> None:
     if is_fp8(dtype) and dtype != torch.float8_e4m3fn:
-        raise ValueError(f"DeepSeek-V4 stores FP8 KV entries in e4m3 with power-of-two scales (spec §6), not "
-                         f"{dtype}: use kv_cache_dtype 'auto' or 'fp8_e4m3'")
+        raise ValueError(f"DeepSeek-V4 stores FP8 KV entries in e4m3 with power-of-two scales "
+                         f"(docs/design/deepseek-v4.md §6), not {dtype}: use kv_cache_dtype 'auto' or 'fp8_e4m3'")
 
 
 def v4_kv_layout(cfg: V4Config, dtype: torch.dtype, speculative_tokens: int = 1) -> KVLayout:

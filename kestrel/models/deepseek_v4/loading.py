@@ -1,4 +1,5 @@
-"""DeepSeek-V4 checkpoints -> the model's parameters (spec §1.3), dequantised to the compute dtype.
+"""DeepSeek-V4 checkpoints -> the model's parameters, dequantised to the compute dtype
+(docs/design/deepseek-v4.md §1.3).
 
 Two namings: DeepSeek's native one (`embed.weight`, `layers.N.attn.wq_a.weight`, `.scale` for block
 scales, `ffn.experts.E.w1.weight`, `mtp.0.*`), which is the model's own, and transformers' (`model.`

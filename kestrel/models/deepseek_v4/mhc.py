@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (spec §3): the residual is `hc_mult` streams per token.
+"""Manifold-constrained hyper-connections (docs/design/deepseek-v4.md §3): the residual is `hc_mult` streams per token.
 
 Pure functions over the parameters a block owns (`hc_attn_{fn,base,scale}`, `hc_ffn_*`, `hc_head_*`,
 DeepSeek's names): the mixing weights are computed in float32, the streams stay in the model dtype.
@@ -44,7 +44,7 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     n = cfg.hc_mult
     mu = _mixes(X, fn, cfg.rms_norm_eps)
     pre = torch.sigmoid(scale[0] * mu[:, :n] + base[:n]) + cfg.hc_eps
-    post = 2 * torch.sigmoid(scale[1] * mu[:, n:2 * n] + base[n:2 * n])  # 2σ, no eps (spec §3 step 4)
+    post = 2 * torch.sigmoid(scale[1] * mu[:, n:2 * n] + base[n:2 * n])  # 2σ, no eps (docs/design/deepseek-v4.md §3)
     comb = sinkhorn((scale[2] * mu[:, 2 * n:] + base[2 * n:]).unflatten(-1, (n, n)), cfg.hc_sinkhorn_iters,
                     cfg.hc_eps)
     x_in = (pre.unsqueeze(-1) * X.float()).sum(1).to(X.dtype)

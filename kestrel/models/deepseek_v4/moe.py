@@ -1,4 +1,4 @@
-"""V4's MoE sublayer (spec §4): every layer is MoE; the first `num_hash_layers` route by a fixed
+"""V4's MoE sublayer (docs/design/deepseek-v4.md §4): every layer is MoE; the first `num_hash_layers` route by a fixed
 token-id table, the others by top-k of the scores plus a selection-only bias. Routed and shared
 experts are SwiGLU with the same clamp; the routed weights are renormalised and scaled.
 

@@ -1,4 +1,5 @@
-"""The MTP (next-n) layer (spec §5): target streams at t + embedding of token t+1 -> draft for t+2.
+"""The MTP (next-n) layer: target streams at t + embedding of token t+1 -> draft for t+2
+(docs/design/deepseek-v4.md §5).
 
 A full block (its attention sliding-window only in the released models, its MoE never hash-routed)
 between the combine and its own hc_head + norm; embedding and lm head are the target's.

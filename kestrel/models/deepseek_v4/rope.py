@@ -1,4 +1,5 @@
-"""V4's rope: interleaved pairs on the last `rope_dim` dims, per-layer theta, optional YaRN (spec §2.1)."""
+"""V4's rope: interleaved pairs on the last `rope_dim` dims, per-layer theta, optional YaRN
+(docs/design/deepseek-v4.md §2.1)."""
 from __future__ import annotations
 
 import math
