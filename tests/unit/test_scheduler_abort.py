@@ -64,13 +64,15 @@ def test_abort_during_a_chunked_prefill_frees_its_kv_keeps_its_chunks_cached_and
 
 def test_abort_while_the_first_token_is_in_flight_drops_the_token():
     """c's last chunk ran and its first token is pending: after the abort the token resolves into
-    nothing, and c is in no batch again."""
+    nothing, and c is in no batch again. Its prompt's KV (the forward that writes it was launched) goes to
+    the radix tree, the last chunk too."""
     driver, (a, b), c = decoding_beside(20)
     scheduler = driver.scheduler
     driver.step()
     launched = driver.launch()
     assert c in launched.sampled and c.pending and scheduler.running == [a, b, c]
     assert scheduler.abort("c") is c and scheduler.running == [a, b] and not c.pending
+    assert len(scheduler.kv.radix.match_prefix(c.prompt_ids)[0]) == 20
     driver.check_kv()
     nxt = driver.launch()  # overlap: the next batch is scheduled before the aborted one resolves
     assert nxt.batch.reqs == [a, b]
