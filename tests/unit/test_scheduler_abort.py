@@ -4,13 +4,14 @@ its first token) may still be in flight."""
 from __future__ import annotations
 
 from kestrel.core.forward_mode import ForwardMode
+from kestrel.core.request import Request
 from tests.conftest import SchedulerDriver
 
 CHUNK = 16
 POOL = 512
 
 
-def decoding_beside(prompt_len: int) -> tuple[SchedulerDriver, list, object]:
+def decoding_beside(prompt_len: int) -> tuple[SchedulerDriver, list[Request], Request | None]:
     """A mixed-chunk driver with "a" and "b" decoding and "c" (a prompt of prompt_len) waiting."""
     driver = SchedulerDriver(POOL, chunked_prefill_size=CHUNK, enable_mixed_chunk=True)
     running = [driver.add("a", [5] * 6, 20, arrival=0), driver.add("b", [6] * 9, 20, arrival=1)]
@@ -49,9 +50,10 @@ def test_abort_during_a_chunked_prefill_frees_its_kv_keeps_its_chunks_cached_and
     batch = driver.step()
     assert batch.mode is ForwardMode.DECODE and batch.reqs == [a, b] and batch.prefix_lens == lens
     steps = run_to_the_end(driver)
-    # a and b end as they would have without c, and their KV with c's chunks is all evictable.
+    # a and b end as they would have without c (they decoded in c's two chunk steps and the one after
+    # the abort too), and their KV with c's chunks is all evictable.
     alone, (a_alone, b_alone), _ = decoding_beside(0)
-    assert run_to_the_end(alone) == steps + 3
+    assert run_to_the_end(alone) == 3 + steps
     assert [a.output_ids, b.output_ids] == [a_alone.output_ids, b_alone.output_ids]
     assert a.finish_reason == b.finish_reason == "length"
     assert scheduler.kv.free_tokens() == POOL and radix.protected_size() == 0
