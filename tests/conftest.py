@@ -22,8 +22,8 @@ from kestrel.engine.scheduler import Scheduler  # noqa: E402
 
 @pytest.fixture(scope="module")
 def one_torch_thread():
-    """For modules of thousands of tiny ops (DeepSeek-V4's tests): with the CPU shared, a second thread's
-    spin-waits cost far more than it gives."""
+    """For modules of thousands of tiny ops (DeepSeek-V4's tests, grammar-masked decoding): with the CPU
+    shared, a second thread's spin-waits cost far more than it gives (up to 50x slower)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
