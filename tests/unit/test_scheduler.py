@@ -78,7 +78,7 @@ def test_retraction_takes_the_fewest_generated_then_the_longest_prompt_and_keeps
     assert scheduler.kv.free_tokens() == 90
 
 
-def test_a_stalled_chunked_prefill_is_retracted_before_any_decode_and_keeps_its_chunks():
+def test_a_stalled_chunked_prefill_is_retracted_before_any_decode_and_its_chunks_go_to_the_tree():
     """Mixed chunks: c's prompt runs beside the decodes of a and b until its next chunk no longer fits;
     the decodes go on, and when they run out of room c goes back first (a and b have generated more,
     but c got no slots in that step). Its committed chunks go to the radix tree, where the decode that
@@ -141,6 +141,7 @@ def test_a_request_whose_pending_token_ends_it_is_not_scheduled_again():
     assert [len(short.output_ids), len(long.output_ids)] == [2, 4]
     driver.check_kv()
     assert not driver.scheduler.has_work() and driver.scheduler.kv.free_tokens() == 64
+
 
 def test_admission_stops_at_max_running_requests_and_at_the_prompt_that_does_not_fit():
     driver = SchedulerDriver(64, max_requests=2, schedule_conservativeness=0)
