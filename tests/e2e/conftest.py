@@ -1,5 +1,11 @@
-"""Tiny checkpoints shared by the end-to-end tests (built once per session)."""
+"""Tiny checkpoints shared by the end-to-end tests (built once per session), the transformers oracle, the
+pool check, and the HTTP app served in process over a fake engine."""
 from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import threading
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import torch
@@ -51,3 +57,51 @@ def assert_pool_full(engine) -> None:
     radix.evict(alloc.size)
     assert alloc.available_size() == alloc.size
     alloc.check()
+
+
+class _FakeProcess:
+    """What EngineClient needs of its engine process, played by the fake engine's thread."""
+
+    pid, exitcode = 4242, None
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self.thread = thread
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.thread.join(timeout)
+
+
+@contextlib.asynccontextmanager
+async def fake_engine_app(engine: Callable) -> AsyncIterator:
+    """(EngineClient, httpx.AsyncClient) of the HTTP app served in process, its engine side played by
+    `engine(inbox, outbox)` on a thread: a fake speaking the real IPC messages over real pipes, so the HTTP
+    process's code (dispatcher, generation, responses) runs as in `kestrel serve` with no engine code."""
+    # Imported here: the server's modules take a second and a half to import, which the other e2e
+    # tests would pay for nothing.
+    import httpx
+
+    from kestrel.server.admission import AdmissionControl
+    from kestrel.server.app import build_app
+    from kestrel.server.engine_client import EngineClient
+    from kestrel.server.messages import EngineReady
+    from kestrel.server.metrics import ServerMetrics
+    from kestrel.server.state import ServerState
+
+    inbox_r, inbox_w = mp.Pipe(duplex=False)
+    outbox_r, outbox_w = mp.Pipe(duplex=False)
+    thread = threading.Thread(target=engine, args=(inbox_r, outbox_w), daemon=True)
+    thread.start()
+    metrics = ServerMetrics("fake")
+    info = EngineReady(pid=4242, vocab_size=100, max_req_len=64, max_total_tokens=1000, context_length=64)
+    client = EngineClient(_FakeProcess(thread), inbox_w, outbox_r, info, metrics)
+    state = ServerState(client, None, "fake", "/nowhere", metrics, AdmissionControl(8))
+    client.start()
+    try:
+        transport = httpx.ASGITransport(app=build_app(state, 2**20, 30.0))
+        async with httpx.AsyncClient(transport=transport, base_url="http://kestrel") as http:
+            yield client, http
+    finally:
+        await client.shutdown(timeout=5)  # sends Shutdown: the fake engine's thread ends

@@ -1,42 +1,21 @@
 """A request the engine finished with finish_reason "error" (a failed step) is a 500-class error for the
 client: an OpenAI-style 500 body, or, streaming, an error event and then [DONE].
 
-The engine side is a fake speaking the real IPC messages over real pipes, so the HTTP process's code
-(dispatcher, generation, responses) runs as in `kestrel serve` while no engine code is involved.
+The engine side is a fake speaking the real IPC messages over real pipes (`fake_engine_app`), so the
+HTTP process's code (dispatcher, generation, responses) runs as in `kestrel serve` while no engine code
+is involved.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing as mp
-import threading
 
 import httpx
 
-from kestrel.server.admission import AdmissionControl
-from kestrel.server.app import build_app
-from kestrel.server.engine_client import EngineClient
-from kestrel.server.messages import (AbortRequests, AddRequests, Admission, EngineReady, Shutdown, StepOutput,
-                                     TokenDelta)
-from kestrel.server.metrics import ServerMetrics
-from kestrel.server.state import ServerState
+from kestrel.server.messages import AbortRequests, AddRequests, Admission, Shutdown, StepOutput, TokenDelta
+from tests.e2e.conftest import fake_engine_app
 
 FAILURE = "RuntimeError: CUDA error: an illegal memory access was encountered (injected by the test)"
-
-
-class _FakeProcess:
-    """What EngineClient needs of its engine process, played by the fake engine's thread."""
-
-    pid, exitcode = 4242, None
-
-    def __init__(self, thread: threading.Thread) -> None:
-        self.thread = thread
-
-    def is_alive(self) -> bool:
-        return self.thread.is_alive()
-
-    def join(self, timeout: float | None = None) -> None:
-        self.thread.join(timeout)
 
 
 def _failing_engine(inbox, outbox) -> None:
@@ -52,25 +31,11 @@ def _failing_engine(inbox, outbox) -> None:
 
 
 async def _exchange() -> tuple[httpx.Response, httpx.Response, bytes]:
-    inbox_r, inbox_w = mp.Pipe(duplex=False)
-    outbox_r, outbox_w = mp.Pipe(duplex=False)
-    engine = threading.Thread(target=_failing_engine, args=(inbox_r, outbox_w), daemon=True)
-    engine.start()
-    metrics = ServerMetrics("fake")
-    info = EngineReady(pid=4242, vocab_size=100, max_req_len=64, max_total_tokens=1000, context_length=64)
-    client = EngineClient(_FakeProcess(engine), inbox_w, outbox_r, info, metrics)
-    state = ServerState(client, None, "fake", "/nowhere", metrics, AdmissionControl(8))
-    client.start()
-    try:
-        transport = httpx.ASGITransport(app=build_app(state, 2**20, 30.0))
-        async with httpx.AsyncClient(transport=transport, base_url="http://kestrel") as http:
-            body = {"prompt": [1, 2, 3], "max_tokens": 5}
-            whole = await http.post("/v1/completions", json=body)
-            streamed = await http.post("/v1/completions", json={**body, "stream": True})
-            return whole, streamed, metrics.render()
-    finally:
-        await client.shutdown(timeout=5)  # sends Shutdown: the fake engine's thread ends
-
+    async with fake_engine_app(_failing_engine) as (client, http):
+        body = {"prompt": [1, 2, 3], "max_tokens": 5}
+        whole = await http.post("/v1/completions", json=body)
+        streamed = await http.post("/v1/completions", json={**body, "stream": True})
+        return whole, streamed, client.metrics.render()
 
 def test_a_failed_engine_step_is_a_500_or_an_error_event_then_done():
     whole, streamed, metrics = asyncio.run(_exchange())

@@ -3,42 +3,24 @@ machinery fails anyway: a request that cannot be handed to the engine fails alon
 thread or dispatcher task is an engine death (503s, /health 503, the supervisor called), never a
 server that hangs every request behind a green /health.
 
-The engine side is a fake speaking the real IPC messages over real pipes (as in
-test_server_engine_error), so the faults are injected where they would happen.
+The engine side is a fake speaking the real IPC messages over real pipes (`fake_engine_app`), so the
+faults are injected where they would happen.
 """
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
-import threading
 
 import httpx
 import pytest
 
 from kestrel.core.sampling_params import SamplingParams
-from kestrel.server.admission import AdmissionControl
-from kestrel.server.app import build_app
 from kestrel.server.engine_client import EngineClient
 from kestrel.server.errors import APIError
-from kestrel.server.messages import (AbortRequests, AddRequests, Admission, EngineReady, NewRequest, Shutdown,
-                                     StepOutput, TokenDelta)
-from kestrel.server.metrics import ServerMetrics
-from kestrel.server.state import ServerState
+from kestrel.server.messages import (AbortRequests, AddRequests, Admission, NewRequest, Shutdown, StepOutput,
+                                     TokenDelta)
+from tests.e2e.conftest import fake_engine_app
 
 TIMEOUT_S = 20  # a request the old code left hanging forever fails the test after this
-
-
-class _FakeProcess:
-    pid, exitcode = 4242, None
-
-    def __init__(self, thread: threading.Thread) -> None:
-        self.thread = thread
-
-    def is_alive(self) -> bool:
-        return self.thread.is_alive()
-
-    def join(self, timeout: float | None = None) -> None:
-        self.thread.join(timeout)
 
 
 def _echo_engine(inbox, outbox) -> None:
@@ -85,24 +67,10 @@ class _DyingPipe:
 
 
 async def _with_server(scenario) -> None:
-    inbox_r, inbox_w = mp.Pipe(duplex=False)
-    outbox_r, outbox_w = mp.Pipe(duplex=False)
-    engine = threading.Thread(target=_echo_engine, args=(inbox_r, outbox_w), daemon=True)
-    engine.start()
-    metrics = ServerMetrics("fake")
-    info = EngineReady(pid=4242, vocab_size=100, max_req_len=64, max_total_tokens=1000, context_length=64)
-    client = EngineClient(_FakeProcess(engine), inbox_w, outbox_r, info, metrics)
-    deaths: list[str] = []
-    client.on_dead = lambda: deaths.append(client.dead_reason)  # what the EngineSupervisor hooks
-    state = ServerState(client, None, "fake", "/nowhere", metrics, AdmissionControl(8))
-    client.start()
-    try:
-        transport = httpx.ASGITransport(app=build_app(state, 2**20, 30.0))
-        async with httpx.AsyncClient(transport=transport, base_url="http://kestrel") as http:
-            await asyncio.wait_for(scenario(client, http, deaths), TIMEOUT_S)
-    finally:
-        await client.shutdown(timeout=5)
-
+    async with fake_engine_app(_echo_engine) as (client, http):
+        deaths: list[str] = []
+        client.on_dead = lambda: deaths.append(client.dead_reason)  # what the EngineSupervisor hooks
+        await asyncio.wait_for(scenario(client, http, deaths), TIMEOUT_S)
 
 async def _complete(http: httpx.AsyncClient) -> httpx.Response:
     return await http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})

@@ -9,7 +9,6 @@ import threading
 
 import jsonschema
 import pytest
-import torch
 
 from kestrel import Engine, SamplingParams
 from kestrel.server.tool_parsers import parse_tool_calls, tool_parser
@@ -31,13 +30,7 @@ SCHEMA = {
 PROMPT = "Describe a person as JSON:"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two cores shared by several test runs: torch's worker threads then wait on each other (50x slower).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -27,12 +27,7 @@ SEQ = 120  # 30 ratio-4 blocks <= index_topk
 LAYER_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the module-scoped setup too
 
 
 def hf_config() -> "DeepseekV4Config":
@@ -101,7 +96,6 @@ def to_hf(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    torch.set_num_threads(1)
     weights = ref.random_weights(CFG, seed=0)
     hf = transformers.DeepseekV4ForCausalLM(hf_config()).float().eval()
     hf.load_state_dict(to_hf(weights), strict=True)
