@@ -101,12 +101,14 @@ def read_messages(text: str, final: bool) -> list[Message]:
 
 
 def is_reasoning(message: Message) -> bool:
-    return message.channel == "analysis"
+    """The model's thinking: the analysis channel, unless addressed to a tool (built-in tools' calls are
+    written there)."""
+    return message.channel == "analysis" and message.recipient is None
 
 
 def is_content(message: Message) -> bool:
     """A message for the user: the final channel, a commentary preamble, plain text (no recipient)."""
-    return not is_reasoning(message) and message.recipient is None
+    return message.channel != "analysis" and message.recipient is None
 
 
 def content_of(messages: list[Message]) -> str:
