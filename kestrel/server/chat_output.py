@@ -1,10 +1,10 @@
 """One chat choice's answer as OpenAI's message fields: `reasoning_content`, `content` and `tool_calls`.
 
-The answer's text goes through the reasoning parser (`--reasoning-parser`), whose rest goes through the
-tool-call reading (`ToolCallStream`) when the request has tools, else becomes the content. The server
-feeds a `ChatOutput` the same text deltas whether the answer is streamed or not, so both read the same.
-Reasoning and content are stripped as `ToolCallStream` strips content: leading whitespace dropped,
-trailing whitespace held until text follows it.
+The answer's text goes through the reasoning parser (`--reasoning-parser`); what follows the reasoning
+goes through the tool-call reading (`ToolCallStream`) when the request has tools, else it is the
+content. The server feeds a `ChatOutput` the same text deltas whether the answer is streamed or not,
+so both read the same. Reasoning and content are stripped as `ToolCallStream` strips content: leading
+whitespace dropped, trailing whitespace held until text follows it.
 """
 from __future__ import annotations
 
@@ -21,10 +21,25 @@ class ChatDelta:
     tool_calls: list[dict] = field(default_factory=list)  # OpenAI's delta entries
 
 
-def _grown(sent: str, text: str) -> str:
-    """What `text` (stripped) adds to `sent`, the part of it already given out."""
-    text = text.strip()
-    return text[len(sent):] if len(text) > len(sent) else ""
+class _Stripped:
+    """A text given out as it grows, stripped: leading whitespace dropped, trailing whitespace held."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self._held = ""
+
+    def add(self, text: str) -> str:
+        if not self.parts and not self._held:
+            text = text.lstrip()
+        text = self._held + text
+        out = text.rstrip()
+        self._held = text[len(out):]
+        if out:
+            self.parts.append(out)
+        return out
+
+    def __str__(self) -> str:
+        return "".join(self.parts)
 
 
 class ChatOutput:
@@ -32,14 +47,16 @@ class ChatOutput:
         assert reasoning is not None or tools is not None, "a plain answer needs no reading"
         self.parser = reasoning
         self.tools = tools
-        self.text = ""
-        self.rest = ""  # the reasoning parser's rest so far
-        self.reasoning = ""  # sent so far
-        self._content = ""  # sent so far, without tools
+        self._reasoning = _Stripped()
+        self._content = _Stripped()  # without tools
+
+    @property
+    def reasoning(self) -> str:
+        return str(self._reasoning)
 
     @property
     def content(self) -> str:
-        return self.tools.content if self.tools is not None else self._content
+        return self.tools.content if self.tools is not None else str(self._content)
 
     @property
     def calls(self) -> list[ToolCall]:
@@ -54,19 +71,15 @@ class ChatOutput:
         """What `delta` adds to the answer; `final` on its last text. Once `ended`, the rest is ignored."""
         if self.ended:
             return ChatDelta()
-        self.text += delta
         out = ChatDelta()
         if self.parser is None:
-            rest_delta = delta
+            rest = content = delta
         else:
-            split = self.parser.split(self.text, final)
-            out.reasoning = _grown(self.reasoning, split.reasoning)
-            self.reasoning += out.reasoning
-            assert split.rest.startswith(self.rest), "a reasoning parser's rest only grows"
-            rest_delta, self.rest = split.rest[len(self.rest):], split.rest
+            read = self.parser.feed(delta, final)
+            out.reasoning = self._reasoning.add(read.reasoning)
+            rest, content = read.rest, read.content
         if self.tools is not None:
-            out.content, out.tool_calls = self.tools.feed(rest_delta, final)
+            out.content, out.tool_calls = self.tools.feed(rest, final)
         else:
-            out.content = _grown(self._content, self.parser.content(self.rest, final))
-            self._content += out.content
+            out.content = self._content.add(content)
         return out

@@ -207,7 +207,8 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     ticket = state.admit(body.n, "n")
     # With a reasoning parser or tools, each choice's text is read by its ChatOutput as it comes, streamed
     # or not (one reading, so both answers agree); a repeated call ends the choice.
-    readers = [ChatOutput(reasoning, ToolCallStream(tools.parser, new_call_id) if tools is not None else None)
+    readers = [ChatOutput(reasoning() if reasoning is not None else None,
+                          ToolCallStream(tools.parser, new_call_id) if tools is not None else None)
                for _ in range(body.n)] if reasoning is not None or tools is not None else None
     read: dict[int, ChatDelta] = {}  # choice -> what its last update added
 

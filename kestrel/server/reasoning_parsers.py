@@ -1,10 +1,11 @@
 """Reasoning in model output, one parser per format, chosen by `--reasoning-parser`.
 
-A reasoning model thinks before it answers; the parser splits the text so far into the reasoning
-(`reasoning_content` of chat answers) and the rest: what follows it, read by the tool-call parser when
-the request has tools, else turned into the content by `content()`. Both only grow as the text does
-(text that may still turn out to be a marker is held back), so streamed deltas add up to the whole
-answer's reading. The names are SGLang's and vLLM's.
+A reasoning model thinks before it answers. One parser reads one answer, fed its text as it grows,
+and splits it into the reasoning (`reasoning_content` of chat answers) and the rest: what follows it,
+read by the tool-call parser when the request has tools; and the content, the rest as the user reads
+it when no tool-call parser does. Each only grows as the text does (text that may still turn out to
+be a marker is held back), so streamed deltas add up to the whole answer's reading, and each character
+is read about once. The names are SGLang's and vLLM's.
 
 - `deepseek-r1` (DeepSeek-R1, QwQ, Qwen3 thinking-2507 models): the chat template opens `<think>` in the
   prompt, so the answer starts in the reasoning (an opening `<think>` the model writes again is dropped)
@@ -25,23 +26,24 @@ from kestrel.server.tool_parsers import held_back
 
 
 @dataclass
-class ReasoningSplit:
-    reasoning: str
-    rest: str
+class ReasoningDelta:
+    """What some text added to an answer's reasoning, rest and content."""
+
+    reasoning: str = ""
+    rest: str = ""
+    content: str = ""
 
 
 class ReasoningParser:
+    """Reads one answer; a new one for each."""
+
     name = ""
     # The format's markers are special tokens: the text must keep them (skip_special_tokens off).
     needs_special_tokens = False
 
-    def split(self, text: str, final: bool) -> ReasoningSplit:
-        """Reasoning and rest of `text`, an answer so far (`final`: the whole answer)."""
+    def feed(self, delta: str, final: bool = False) -> ReasoningDelta:
+        """What `delta` adds; `final` on the answer's last text."""
         raise NotImplementedError
-
-    def content(self, rest: str, final: bool) -> str:
-        """The content of the rest when no tool-call parser reads it."""
-        return rest
 
 
 class ThinkParser(ReasoningParser):
@@ -50,21 +52,32 @@ class ThinkParser(ReasoningParser):
     open_tag, close_tag = "<think>", "</think>"
     starts_in_reasoning = False  # the template opened the block in the prompt
 
-    def split(self, text: str, final: bool) -> ReasoningSplit:
-        lead = text.lstrip()
-        if lead.startswith(self.open_tag):
-            start = len(text) - len(lead) + len(self.open_tag)
-        elif not final and self.open_tag.startswith(lead):  # whitespace, or the tag's start: wait
-            return ReasoningSplit("", "")
-        elif self.starts_in_reasoning:
-            start = 0
-        else:
-            return ReasoningSplit("", text)
-        end = text.find(self.close_tag, start)
-        if end < 0:
-            reasoning = text[start:]
-            return ReasoningSplit(reasoning if final else held_back(reasoning, self.close_tag), "")
-        return ReasoningSplit(text[start:end], text[end + len(self.close_tag):])
+    def __init__(self) -> None:
+        self._in: str | None = None  # "reasoning" or "rest", once known
+        self._pending = ""  # text not read yet: before the start is known, or a tail that may be a tag
+
+    def feed(self, delta: str, final: bool = False) -> ReasoningDelta:
+        text = self._pending + delta
+        out = ReasoningDelta()
+        if self._in is None:
+            lead = text.lstrip()
+            if lead.startswith(self.open_tag):
+                self._in, text = "reasoning", lead[len(self.open_tag):]
+            elif not final and self.open_tag.startswith(lead):  # whitespace, or the tag's start: wait
+                self._pending = text
+                return out
+            else:
+                self._in = "reasoning" if self.starts_in_reasoning else "rest"
+        if self._in == "reasoning":
+            end = text.find(self.close_tag)
+            if end < 0:
+                out.reasoning = text if final else held_back(text, self.close_tag)
+                self._pending = text[len(out.reasoning):]
+                return out
+            out.reasoning, self._in, text = text[:end], "rest", text[end + len(self.close_tag):]
+        self._pending = ""
+        out.rest = out.content = text
+        return out
 
 
 class DeepSeekR1Parser(ThinkParser):
@@ -77,24 +90,39 @@ class Qwen3Parser(ThinkParser):
 
 
 class GptOssReasoningParser(ReasoningParser):
+    """The analysis messages' bodies are the reasoning, the others' raw text the rest, the bodies of
+    those for the user the content; a blank line between two messages of the reasoning or content."""
+
     name = "gpt-oss"
     needs_special_tokens = True
 
-    def split(self, text: str, final: bool) -> ReasoningSplit:
-        messages = harmony.read_messages(text, final)
-        return ReasoningSplit("\n\n".join(m.body for m in messages if harmony.is_reasoning(m)),
-                              "".join(text[m.start:m.end] for m in messages if not harmony.is_reasoning(m)))
+    def __init__(self) -> None:
+        self._reader = harmony.MessageReader()
+        self._last: dict[str, int] = {}  # "reasoning"/"content" -> index of the last message that went there
 
-    def content(self, rest: str, final: bool) -> str:
-        return harmony.content_of(harmony.read_messages(rest, final))
+    def _joined(self, kind: str, piece: harmony.Piece) -> str:
+        last = self._last.get(kind)
+        self._last[kind] = piece.index
+        return piece.body if last in (None, piece.index) else "\n\n" + piece.body
+
+    def feed(self, delta: str, final: bool = False) -> ReasoningDelta:
+        reasoning, rest, content = [], [], []
+        for piece in self._reader.feed(delta, final):
+            if harmony.is_reasoning(piece):
+                reasoning.append(self._joined("reasoning", piece))
+                continue
+            rest.append(piece.raw)
+            if harmony.is_content(piece):
+                content.append(self._joined("content", piece))
+        return ReasoningDelta("".join(reasoning), "".join(rest), "".join(content))
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek-r1": DeepSeekR1Parser, "qwen3": Qwen3Parser, "gpt-oss": GptOssReasoningParser}
 
 
-def reasoning_parser(name: str) -> ReasoningParser:
-    """The parser called `name`; ValueError naming the valid ones."""
+def reasoning_parser(name: str) -> type[ReasoningParser]:
+    """The parser called `name` (a class: one instance reads one answer); ValueError naming the valid ones."""
     if name not in REASONING_PARSERS:
         raise ValueError(f"unknown reasoning parser {name!r}; valid ones: {', '.join(REASONING_PARSERS)}")
-    return REASONING_PARSERS[name]()
+    return REASONING_PARSERS[name]

@@ -37,7 +37,7 @@ class ServerState:
     admission: AdmissionControl
     api_key: str | None = None
     tool_parser: ToolParser | None = None  # --tool-call-parser: the format of the model's tool calls
-    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser: the format of its reasoning
+    reasoning_parser: type[ReasoningParser] | None = None  # --reasoning-parser: the format of its reasoning
     model_aliases: tuple[str, ...] = ()  # further --served-model-name names clients may send
 
     @property

@@ -62,7 +62,7 @@ def test_the_templates_calls_read_back_through_the_gpt_oss_parsers(tokenizer):
     text = apply_chat_template_text(tokenizer, CONVERSATION[:3], tools=TOOLS, add_generation_prompt=False)
     answer = text[text.index("<|start|>user<|message|>Weather in Oslo?<|end|>"):].split("<|end|>", 1)[1]
     answer = answer.removeprefix("<|start|>assistant")  # the generation prompt's part
-    output = ChatOutput(reasoning_parser("gpt-oss"), ToolCallStream(tool_parser("gpt-oss"), lambda: "call_x"))
+    output = ChatOutput(reasoning_parser("gpt-oss")(), ToolCallStream(tool_parser("gpt-oss"), lambda: "call_x"))
     delta = output.feed(answer, final=True)
     assert delta.reasoning == "I need the tool." and delta.content == ""
     assert [(e["function"]["name"], json.loads(e["function"]["arguments"])) for e in delta.tool_calls] == \

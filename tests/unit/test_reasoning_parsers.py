@@ -59,7 +59,7 @@ def cases() -> list:
 def new_output(reasoning: str, tools: str | None) -> ChatOutput:
     counter = itertools.count()
     stream = ToolCallStream(tool_parser(tools), lambda: f"call_{next(counter)}") if tools else None
-    return ChatOutput(reasoning_parser(reasoning), stream)
+    return ChatOutput(reasoning_parser(reasoning)(), stream)
 
 
 def read(reasoning: str, tools: str | None, pieces: list[str]) -> tuple[str, str | None, list[tuple[str, str]]]:
