@@ -94,7 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format of the model's tool calls: "
-                         "llama3, qwen25 or hermes)")
+                         "llama3, qwen25, hermes or gpt-oss)")
     try:
         code = serve(config_from_args(args), served_model_names=args.served_model_name or ())
     except ServerStartError as e:

@@ -212,7 +212,11 @@ class ServerConfig:
     tool_call_parser: str | None = option(None, "the format of the model's tool calls, to parse them and force them "
                                                 "(tool_choice), as SGLang names them (the bundled demo's is "
                                                 "hermes); default: no tool calls",
-                                          choices=("llama3", "qwen25", "hermes"))
+                                          choices=("llama3", "qwen25", "hermes", "gpt-oss"))
+    reasoning_parser: str | None = option(None, "the format of the model's reasoning, returned as reasoning_content "
+                                                "of chat answers apart from the content (docs/reasoning.md); "
+                                                "gpt-oss with --tool-call-parser gpt-oss; default: none (the "
+                                                "reasoning is content)", choices=("deepseek-r1", "qwen3", "gpt-oss"))
 
 
 SECTIONS = {

@@ -200,6 +200,18 @@ def _check_server(server: ServerConfig) -> None:
         from kestrel.server.tool_parsers import tool_parser
 
         tool_parser(server.tool_call_parser)  # an unknown name fails here, at start-up
+    if server.reasoning_parser is not None:
+        from kestrel.server.reasoning_parsers import reasoning_parser
+
+        reasoning_parser(server.reasoning_parser)
+    # harmony's tool calls and reasoning are one format: the tool parser reads what the reasoning parser
+    # leaves, and without it the analysis channel would have nowhere to go.
+    if server.tool_call_parser == "gpt-oss" and server.reasoning_parser != "gpt-oss":
+        raise ValueError("--tool-call-parser gpt-oss needs --reasoning-parser gpt-oss: harmony's analysis channel "
+                         "is the reasoning, which the tool calls are read after")
+    if server.reasoning_parser == "gpt-oss" and server.tool_call_parser not in (None, "gpt-oss"):
+        raise ValueError(f"--reasoning-parser gpt-oss reads harmony, whose tool calls only --tool-call-parser "
+                         f"gpt-oss reads, not {server.tool_call_parser}")
 
 
 def _check_library_floors(floors: dict[str, str]) -> None:

@@ -5,6 +5,7 @@ a tokenizer is only called when one exists.
 """
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,11 @@ from transformers import PreTrainedTokenizerBase
 
 # Any of these in a local folder means a tokenizer is meant to be there.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+# developer: OpenAI's newer name for the system role's instructions (gpt-oss's template reads it as such).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# What apply_chat_template sets itself: a request's chat_template_kwargs may set any other template variable.
+TEMPLATE_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {
+    "self", "kwargs"} | {"messages"}
 
 
 def load_tokenizer(path: str, required: bool = True) -> PreTrainedTokenizerBase | None:
@@ -88,7 +93,8 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
 
     Raises ValueError naming the first bad message and the valid shapes; other keys are kept
     (e.g. `name`, `tool_call_id`) because some templates read them. An assistant message with
-    `tool_calls` may have no content (null).
+    `tool_calls` may have no content (null). An assistant's `reasoning_content` (the API's name, which
+    Qwen3's template reads) is also given as `thinking` (gpt-oss's template's name).
     """
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
@@ -108,31 +114,35 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
         if "content" not in message:
             raise ValueError(f"messages[{i}] has no 'content'")
         out.append({**message, "content": _message_text(message["content"], i)})
+    for message in out:
+        if message["role"] == "assistant" and isinstance(message.get("reasoning_content"), str):
+            message.setdefault("thinking", message["reasoning_content"])
     return out
 
 
 def apply_chat_template_text(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True,
-    tools: list[dict] | None = None,
+    tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """Render `messages` (and the `tools` the model may call, OpenAI's shape) with the tokenizer's chat
-    template into the prompt text."""
+    template into the prompt text; `template_kwargs` are further variables of the template (e.g.
+    gpt-oss's `reasoning_effort`), none of TEMPLATE_ARGUMENTS."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "this model's tokenizer has no chat template; send a plain prompt (completions API) instead"
         )
     return tokenizer.apply_chat_template(
         normalize_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
-        **({"tools": tools} if tools else {})
+        **({"tools": tools} if tools else {}), **(template_kwargs or {})
     )
 
 
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True,
-    tools: list[dict] | None = None,
+    tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Render and tokenize `messages`; the template supplies any BOS, so none is added again."""
-    text = apply_chat_template_text(tokenizer, messages, add_generation_prompt, tools)
+    text = apply_chat_template_text(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kestrel.server.chat_output import ChatDelta, ChatOutput
 from kestrel.server.generation import Choice, ChoiceUpdate, Generation
 from kestrel.server.protocol import ChatCompletionRequest, CompletionRequest, expand_choices, prompt_list, validated
 from kestrel.server.errors import bad_request
@@ -163,6 +164,12 @@ async def completions(state: ServerState, request: Request) -> Response:
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------
+def _reasoning_fields(text: str | None) -> dict[str, str | None]:
+    """The reasoning under both names clients read: `reasoning_content` (SGLang, DeepSeek's API, vLLM
+    before 0.11) and `reasoning` (vLLM since)."""
+    return {"reasoning_content": text, "reasoning": text}
+
+
 def _chat_logprobs(name: TokenName, ids: list[int], logprobs: list[float],
                    tops: list[list[tuple[int, float]]]) -> dict[str, Any]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
@@ -193,13 +200,19 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     # Without max_tokens, as vLLM: up to the end of the context, at most max_req_len - 1 for any prompt.
     base = validated(body.sampling_params(info.max_req_len - 1 if asked is None else asked,
                                           body.engine_top_logprobs(), grammar), info.vocab_size, names)
+    reasoning = state.reasoning_parser
+    if reasoning is not None and reasoning.needs_special_tokens:  # the parser reads the format's markers
+        base = dataclasses.replace(base, skip_special_tokens=False)
+    template_kwargs = body.template_kwargs()
     ticket = state.admit(body.n, "n")
-    # With tools, each choice's text is read by its ToolCallStream as it comes, streamed or not (one
-    # reading, so both answers agree); a repeated call ends the choice.
-    readers = [ToolCallStream(tools.parser, new_call_id) for _ in range(body.n)] if tools is not None else None
-    read: dict[int, tuple[str, list[dict]]] = {}  # choice -> (content, tool_calls entries) of its last update
+    # With a reasoning parser or tools, each choice's text is read by its ChatOutput as it comes, streamed
+    # or not (one reading, so both answers agree); a repeated call ends the choice.
+    readers = [ChatOutput(reasoning() if reasoning is not None else None,
+                          ToolCallStream(tools.parser, new_call_id) if tools is not None else None)
+               for _ in range(body.n)] if reasoning is not None or tools is not None else None
+    read: dict[int, ChatDelta] = {}  # choice -> what its last update added
 
-    def read_tools(u: ChoiceUpdate) -> None:
+    def read_answer(u: ChoiceUpdate) -> None:
         reader = readers[u.index]
         read[u.index] = reader.feed(u.text, final=u.finish_reason is not None)
         if reader.ended:
@@ -207,11 +220,11 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
 
     with ticket.released_on_error():
         prompt = await state.chat_prompt_ids(ticket, body.messages, body_bytes,
-                                             tools.template_tools if tools is not None else None)
+                                             tools.template_tools if tools is not None else None, template_kwargs)
         params = state.params_for(base, [prompt], asked, None, "messages", name, names)
         gen = Generation(state.client, state.tokenizer, *expand_choices([prompt], params, body.n), ticket,
                          prompt_param="messages", grammar_param=grammar_param, api_names=names,
-                         on_update=read_tools if readers is not None else None)
+                         on_update=read_answer if readers is not None else None)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": gen.created,
             "model": model}
     name = _token_name(state, body.return_tokens_as_token_ids)
@@ -223,7 +236,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         """A choice that ended on its calls finishes with "tool_calls"; a named tool_choice with "stop",
         as OpenAI answers it (the caller asked for that call; the model chose nothing)."""
         reader = readers[index]
-        if finish is not None and (reader.ended or finish == "stop" and reader.calls):
+        if tools is not None and finish is not None and (reader.ended or finish == "stop" and reader.calls):
             return "stop" if tools.named else "tool_calls"
         return finish
 
@@ -232,8 +245,10 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         if readers is None:
             delta = {"content": u.text} if u.text else {}
         else:
-            content, calls = read.pop(u.index)
-            delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
+            got = read.pop(u.index)
+            delta = {**(_reasoning_fields(got.reasoning) if got.reasoning else {}),
+                     **({"content": got.content} if got.content else {}),
+                     **({"tool_calls": got.tool_calls} if got.tool_calls else {})}
             finish = tools_finish(u.index, finish)
         if not delta and finish is None and u.logprobs is None:
             return None
@@ -252,6 +267,8 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         finish = c.finish_reason
         if readers is not None:
             reader = readers[c.index]
+            if reasoning is not None:
+                message.update(_reasoning_fields(reader.reasoning or None))
             message["content"] = reader.content or (None if reader.calls else "")
             if reader.calls:
                 message["tool_calls"] = [call.openai() for call in reader.calls]

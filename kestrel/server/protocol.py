@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from kestrel.core.sampling_params import SamplingParams
+from kestrel.engine.tokenizer import TEMPLATE_ARGUMENTS
 from kestrel.server.errors import APIError, bad_request, from_validation_error
 from kestrel.server.request_limits import check_grammar
 from kestrel.server.structured import GRAMMAR_FIELDS, response_format_grammar, structured_outputs_grammar
@@ -173,10 +174,23 @@ class ChatCompletionRequest(_OpenAISampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # Given to the chat template (as vLLM and SGLang do): gpt-oss's reads reasoning_effort, Qwen3's
+    # enable_thinking.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         """What the field types cannot say: unsupported combinations, text no tokenizer can take."""
         self._check()
+        if self.chat_template_kwargs is not None:
+            if reserved := sorted(set(self.chat_template_kwargs) & TEMPLATE_ARGUMENTS):
+                raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them "
+                                  "(send messages and tools as their own fields)", "chat_template_kwargs")
+            if self.reasoning_effort is not None and "reasoning_effort" in self.chat_template_kwargs:
+                raise bad_request("reasoning_effort is given twice, as a field and in chat_template_kwargs; give "
+                                  "one", "reasoning_effort")
+            if problem := lone_surrogate(self.chat_template_kwargs, "chat_template_kwargs"):
+                raise bad_request(problem, "chat_template_kwargs")
         check_grammar([t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None, "tools", "tools")
         if problem := lone_surrogate([t.model_dump() for t in self.tools or []], "tools"):
             raise bad_request(problem, "tools")
@@ -185,6 +199,11 @@ class ChatCompletionRequest(_OpenAISampling):
 
     def engine_top_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's extra variables."""
+        effort = {"reasoning_effort": self.reasoning_effort} if self.reasoning_effort is not None else {}
+        return {**(self.chat_template_kwargs or {}), **effort}
 
 
 class GenerateRequest(_Body):

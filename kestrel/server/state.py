@@ -21,6 +21,7 @@ from kestrel.server.protocol import fit_max_tokens, prompt_too_long, validated
 from kestrel.server.request_limits import check_nesting
 from kestrel.server.sse import ClientGone, EventStream, until_disconnect
 from kestrel.server.tokenization import INLINE_BODY_BYTES, PromptError, PromptTooLong, Tokenization
+from kestrel.server.reasoning_parsers import ReasoningParser
 from kestrel.server.tool_parsers import ToolParser
 
 B = TypeVar("B", bound=BaseModel)
@@ -36,6 +37,7 @@ class ServerState:
     admission: AdmissionControl
     api_key: str | None = None
     tool_parser: ToolParser | None = None  # --tool-call-parser: the format of the model's tool calls
+    reasoning_parser: type[ReasoningParser] | None = None  # --reasoning-parser: the format of its reasoning
     model_aliases: tuple[str, ...] = ()  # further --served-model-name names clients may send
 
     @property
@@ -95,10 +97,12 @@ class ServerState:
         return [next(it) if isinstance(p, str) else p for p in prompts]
 
     async def chat_prompt_ids(self, ticket: Ticket, messages: list[dict[str, Any]], body_bytes: int,
-                              tools: list[dict[str, Any]] | None = None) -> list[int]:
+                              tools: list[dict[str, Any]] | None = None,
+                              template_kwargs: dict[str, Any] | None = None) -> list[int]:
         tokenization = self.need_tokenization("chat messages", "messages")
         return await self._tokenize(ticket, "messages", tokenization.chat(
-            messages, self.client.info.max_req_len, "messages", body_bytes <= INLINE_BODY_BYTES, tools))
+            messages, self.client.info.max_req_len, "messages", body_bytes <= INLINE_BODY_BYTES, tools,
+            template_kwargs))
 
     async def _tokenize(self, ticket: Ticket, param: str, work: Any) -> Any:
         try:

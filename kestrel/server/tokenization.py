@@ -91,12 +91,14 @@ def encode_texts(tokenizer: Any, texts: list[str], limit: int, names: list[str])
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], limit: int, param: str,
-                tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """The token ids of the rendered chat prompt (with the tools it may call); PromptTooLong as above."""
+                tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The token ids of the rendered chat prompt (with the tools it may call and the template's further
+    variables); PromptTooLong as above."""
     if problem := lone_surrogate(messages, param):
         raise PromptError(problem)
     try:
-        ids = apply_chat_template(tokenizer, messages, tools=tools)
+        ids = apply_chat_template(tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
     except Exception as e:  # our checks of the messages (ValueError), the template's own (jinja2 errors)
         raise PromptError(str(e) if isinstance(e, ValueError) else f"{param}: {type(e).__name__}: {e}") from None
     if len(ids) >= limit:
@@ -175,8 +177,9 @@ class Tokenization:
         return await self._run(encode_texts, inline, texts, limit, names)
 
     async def chat(self, messages: list[dict[str, Any]], limit: int, param: str, inline: bool,
-                   tools: list[dict[str, Any]] | None = None) -> list[int]:
-        return await self._run(encode_chat, inline, messages, limit, param, tools)
+                   tools: list[dict[str, Any]] | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        return await self._run(encode_chat, inline, messages, limit, param, tools, template_kwargs)
 
     async def _run(self, fn: Callable[..., T], inline: bool, *args: Any) -> T:
         if inline:

@@ -10,6 +10,9 @@ function, so that a forced call always parses.
   `<|python_tag|>`; an answer that does not start with `{` is plain content.
 - `hermes` / `qwen25` (Hermes 2/3, Qwen 2.5, Qwen 3 and the bundled demo model's template): each call is
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; text outside the tags is content.
+- `gpt-oss` (harmony): each call is a message to `functions.NAME` with the JSON arguments as its body;
+  the final and commentary channels are content. It reads the text after the `gpt-oss` reasoning
+  parser and cannot force calls (`can_force`).
 
 Arguments are returned as the model wrote them (the raw JSON text). `ToolCallStream` is the one
 reading of an answer, fed as its text grows; the server feeds it the same text deltas whether the
@@ -21,6 +24,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from kestrel.server import harmony
 
 # Every tool's arguments are constrained like response_format's JSON: any whitespace, short runs.
 _ARGUMENTS_MAX_WHITESPACE = 16
@@ -177,7 +182,7 @@ def _is_json(text: str) -> bool:
     return True
 
 
-def _held_back(text: str, marker: str) -> str:
+def held_back(text: str, marker: str) -> str:
     """`text` without a tail that could be the start of `marker` (it may turn out to be one)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:n]):
@@ -188,6 +193,7 @@ def _held_back(text: str, marker: str) -> str:
 # ---- the formats ---------------------------------------------------------------------------------
 class ToolParser:
     name = ""
+    can_force = True  # tool_choice "required" or a named function: `grammar()` writes the calls
     argument_keys: tuple[str, ...] = ("arguments",)
     separator = ""
 
@@ -227,7 +233,7 @@ class HermesParser(ToolParser):
             start = text.find(self.begin, i)
             if start < 0:
                 rest = text[i:]
-                content.append(rest if final else _held_back(rest, self.begin))
+                content.append(rest if final else held_back(rest, self.begin))
                 return Split("".join(content), calls)
             content.append(text[i:start])
             body_start = start + len(self.begin)
@@ -277,7 +283,7 @@ class Llama3Parser(ToolParser):
             if start == len(text):  # only whitespace yet: content or calls, nothing to say
                 return Split(text if final else "")
             if text[start] != "{":
-                return Split(text if final else _held_back(text, self.python_tag))
+                return Split(text if final else held_back(text, self.python_tag))
             content, body = "", text[start:]
         offset = len(text) - len(body)  # of the body in the text
         calls, i = [], _skip_ws(body, 0)
@@ -301,7 +307,41 @@ class Llama3Parser(ToolParser):
                 "content": self._json_content(parameters), "end": "}"}
 
 
-PARSERS: dict[str, type[ToolParser]] = {"llama3": Llama3Parser, "qwen25": Qwen25Parser, "hermes": HermesParser}
+class GptOssParser(ToolParser):
+    """harmony (gpt-oss, `kestrel.server.harmony`): a call is a message to `functions.NAME` whose body is
+    its JSON arguments, ended by `<|call|>`; the final and commentary messages are content; the analysis
+    channel never is (the `gpt-oss` reasoning parser reports it). A message to another recipient (a
+    built-in tool: browser, python) is neither."""
+
+    name = "gpt-oss"
+    # Its markers are special tokens, which a structural tag (text) cannot write; and a forced call
+    # would skip the analysis the model is trained to write first.
+    can_force = False
+
+    def split(self, text: str, final: bool) -> Split:
+        content, calls = [], []
+        for message in harmony.read_messages(text, final):
+            if harmony.is_content(message):
+                content.append(message.body)
+            elif (message.recipient or "").startswith(harmony.FUNCTIONS):
+                name = message.recipient[len(harmony.FUNCTIONS):]
+                call = CallText(name, message.body.strip(), complete=message.closed, start=message.start)
+                if message.closed and not (name and _is_json_object(call.arguments)):
+                    content.append(message.body)  # malformed: content, as in the other formats
+                else:
+                    calls.append(call)
+        return Split("\n\n".join(content), calls)
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+PARSERS: dict[str, type[ToolParser]] = {"llama3": Llama3Parser, "qwen25": Qwen25Parser, "hermes": HermesParser,
+                                        "gpt-oss": GptOssParser}
 
 
 def tool_parser(name: str) -> ToolParser:

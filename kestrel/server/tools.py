@@ -5,7 +5,8 @@
 "required" and a named function also constrain the output with a grammar of the parser's call
 format, built from the tools' parameter schemas, so the call always parses (with
 `parallel_tool_calls: false`, exactly one call). A named function's answer finishes with "stop", as
-OpenAI's does; the others with "tool_calls" once they made calls.
+OpenAI's does; the others with "tool_calls" once they made calls. A parser that cannot force calls
+(gpt-oss) answers "required" and a named function with a 400.
 """
 from __future__ import annotations
 
@@ -61,6 +62,10 @@ def tool_use(body: ChatCompletionRequest, parser: ToolParser | None) -> ToolUse 
         raise bad_request(f"tool_choice names the function {forced!r}, which is not among the tools "
                           f"({', '.join(names)})", "tool_choice")
     tag = None
+    if choice != "auto" and not parser.can_force:
+        raise bad_request(f"tool_choice 'required' or a named function cannot be forced with --tool-call-parser "
+                          f"{parser.name}: its calls are written in special tokens no grammar can force; send "
+                          "tool_choice 'auto' (or none)", "tool_choice")
     if choice != "auto":
         functions = [{"name": t.function.name, "parameters": t.function.parameters or NO_PARAMETERS} for t in tools]
         tag = json.dumps(parser.grammar(functions, forced, body.parallel_tool_calls), ensure_ascii=False)

@@ -75,10 +75,12 @@ class _FakeProcess:
 
 
 @contextlib.asynccontextmanager
-async def fake_engine_app(engine: Callable) -> AsyncIterator:
+async def fake_engine_app(engine: Callable, tokenizer=None, **state_fields) -> AsyncIterator:
     """(EngineClient, httpx.AsyncClient) of the HTTP app served in process, its engine side played by
     `engine(inbox, outbox)` on a thread: a fake speaking the real IPC messages over real pipes, so the HTTP
-    process's code (dispatcher, generation, responses) runs as in `kestrel serve` with no engine code."""
+    process's code (dispatcher, generation, responses) runs as in `kestrel serve` with no engine code.
+    With a `tokenizer`, text prompts and chat messages are served too; `state_fields` are further
+    ServerState fields (tool_parser, reasoning_parser)."""
     # Imported here: the server's modules take a second and a half to import, which the other e2e
     # tests would pay for nothing.
     import httpx
@@ -89,15 +91,20 @@ async def fake_engine_app(engine: Callable) -> AsyncIterator:
     from kestrel.server.messages import EngineReady
     from kestrel.server.metrics import ServerMetrics
     from kestrel.server.state import ServerState
+    from kestrel.server.tokenization import Tokenization
 
     inbox_r, inbox_w = mp.Pipe(duplex=False)
     outbox_r, outbox_w = mp.Pipe(duplex=False)
     thread = threading.Thread(target=engine, args=(inbox_r, outbox_w), daemon=True)
     thread.start()
     metrics = ServerMetrics("fake")
-    info = EngineReady(pid=4242, vocab_size=100, max_req_len=64, max_total_tokens=1000, context_length=64)
+    context = 64 if tokenizer is None else 1024  # room for a chat template's prompt
+    info = EngineReady(pid=4242, vocab_size=100 if tokenizer is None else len(tokenizer), max_req_len=context,
+                       max_total_tokens=1000, context_length=context)
     client = EngineClient(_FakeProcess(thread), inbox_w, outbox_r, info, metrics)
-    state = ServerState(client, None, "fake", "/nowhere", metrics, AdmissionControl(8))
+    # Prompts this short are tokenized inline: the pool never starts a process.
+    tokenization = Tokenization(tokenizer, 1) if tokenizer is not None else None
+    state = ServerState(client, tokenization, "fake", "/nowhere", metrics, AdmissionControl(8), **state_fields)
     client.start()
     try:
         transport = httpx.ASGITransport(app=build_app(state, 2**20, 30.0))
@@ -105,3 +112,5 @@ async def fake_engine_app(engine: Callable) -> AsyncIterator:
             yield client, http
     finally:
         await client.shutdown(timeout=5)  # sends Shutdown: the fake engine's thread ends
+        if tokenization is not None:
+            tokenization.shutdown()

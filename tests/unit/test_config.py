@@ -163,6 +163,7 @@ def test_help_groups_the_flags_by_section(capsys):
 def test_declared_choices_are_the_ones_their_subsystems_accept():
     from kestrel.quant.kv import KV_CACHE_DTYPES
     from kestrel.quant.resolve import QUANTIZATIONS
+    from kestrel.server.reasoning_parsers import REASONING_PARSERS
     from kestrel.server.tool_parsers import PARSERS
     from kestrel.speculative.resolve import ALGORITHMS
 
@@ -170,4 +171,5 @@ def test_declared_choices_are_the_ones_their_subsystems_accept():
     assert choices["kv_cache_dtype"] == tuple(KV_CACHE_DTYPES)
     assert choices["quantization"] == QUANTIZATIONS
     assert choices["tool_call_parser"] == tuple(PARSERS)
+    assert choices["reasoning_parser"] == tuple(REASONING_PARSERS)
     assert choices["speculative_algorithm"] == ALGORITHMS
