@@ -182,7 +182,7 @@ def _destination(model: nn.Module, params: dict[str, torch.Tensor], stacked_para
 def _tensor_loaders(model: nn.Module) -> dict:
     """Module name -> the loader of a module that places its own checkpoint tensors (a MoE layer's
     stacked experts: `tensor_loader()`, kestrel.layers.moe.loading)."""
-    return {name: m.tensor_loader() for name, m in model.named_modules() if hasattr(m, "tensor_loader")}
+    return {name: m.tensor_loader(name) for name, m in model.named_modules() if hasattr(m, "tensor_loader")}
 
 
 def _owner(name: str, owners: dict) -> str | None:

@@ -62,9 +62,10 @@ class Experts(nn.Module):
         self.b13 = nn.Parameter(torch.zeros(count, 2 * inter)) if cfg.expert_bias else None
         self.b2 = nn.Parameter(torch.zeros(count, hidden)) if cfg.expert_bias else None
 
-    def tensor_loader(self) -> ExpertLoader:
-        """What the model loader hands this module's checkpoint tensors to (names relative to it)."""
-        return ExpertLoader(self, self.checkpoint)
+    def tensor_loader(self, prefix: str = "") -> ExpertLoader:
+        """What the model loader hands this module's checkpoint tensors to (names relative to it;
+        `prefix`, this module's name, for messages)."""
+        return ExpertLoader(self, self.checkpoint, prefix)
 
     def down_bias(self) -> torch.Tensor | None:
         """`b2` where this rank adds it (see ExpertShard), else None."""

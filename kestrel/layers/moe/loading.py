@@ -96,8 +96,9 @@ class ExpertLoader:
     """Places checkpoint tensors into one `Experts` module; bookkeeping keys "e{expert}.{part}" (global
     expert ids) name what was filled, so a missing expert shows which."""
 
-    def __init__(self, experts: Experts, fmt: ExpertCheckpoint) -> None:
-        self.experts, self.fmt = experts, fmt
+    def __init__(self, experts: Experts, fmt: ExpertCheckpoint, prefix: str = "") -> None:
+        """`prefix`: the experts module's name, for messages."""
+        self.experts, self.fmt, self.prefix = experts, fmt, prefix
         names = "|".join(re.escape(n) for n in (fmt.gate, fmt.up, fmt.down))
         self._per_expert = re.compile(rf"^(\d+)\.({names})\.(weight|bias)$")
         self._waiting: dict[str, tuple[str, torch.Tensor]] = {}  # base name -> (which half, tensor)
@@ -138,7 +139,15 @@ class ExpertLoader:
             self._waiting[base] = (half, tensor)
             return []
         weight, scale = (tensor, other[1]) if half == "weight" else (other[1], tensor)
-        return self.place(base + q.loaded_suffix, q.dequantize(weight, scale.float()))
+        try:
+            value = q.dequantize(weight, scale.float())
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"{self._shown(base)}: cannot dequantise {tuple(weight.shape)} {weight.dtype} with scales "
+                             f"{tuple(scale.shape)}: {e}") from None
+        return self.place(base + q.loaded_suffix, value)
+
+    def _shown(self, name: str) -> str:
+        return f"{self.prefix}.{name}" if self.prefix else name
 
     def unpaired(self) -> list[str]:
         """Halves of quantised pairs whose other half never came."""
@@ -163,7 +172,7 @@ class ExpertLoader:
         value = layout.convert(value)
         mine = slice(experts.first, experts.first + experts.count)
         if value.shape[0] != experts.num_experts:
-            raise ValueError(f"{name}: {value.shape[0]} experts stacked, the model has {experts.num_experts}")
+            raise ValueError(f"{self._shown(name)}: {value.shape[0]} experts stacked, the model has {experts.num_experts}")
         value = value[mine]
         local = slice(0, experts.count)
         if layout.holds in ("gate_up", "gate_up_bias"):
@@ -197,9 +206,9 @@ class ExpertLoader:
                 "down_bias": (experts.b2[local], (n, hidden), lambda v: v),
             }
         if part not in targets:
-            raise ValueError(f"{name}: the checkpoint has expert biases; this model's experts have none")
+            raise ValueError(f"{self._shown(name)}: the checkpoint has expert biases; this model's experts have none")
         target, shape, narrow = targets[part]
         if tuple(value.shape) != shape:
-            raise ValueError(f"{name}: checkpoint shape {tuple(value.shape[1:]) if n == 1 else tuple(value.shape)} "
+            raise ValueError(f"{self._shown(name)}: checkpoint shape {tuple(value.shape[1:]) if n == 1 else tuple(value.shape)} "
                              f"!= model shape {shape[1:] if n == 1 else shape}")
         target.copy_(narrow(value))  # casts to the parameter's dtype, moves to its device
