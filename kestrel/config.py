@@ -175,7 +175,7 @@ class ParallelConfig:
 
     tp_size: int = option(1, "tensor-parallel ranks: one process (and GPU) each, the model's heads, MLP and "
                              "vocabulary split over them", aliases=("tensor_parallel_size",))
-    ep_size: int = option(1, "ranks the routed experts of a MoE model (DeepSeek-V4) are split over: 1 or --tp-size")
+    ep_size: int = option(1, "ranks the routed experts of a MoE model are split over: 1 or --tp-size")
     nnodes: int = option(1, "machines the --tp-size ranks are spread over (default 1)")
     node_rank: int = option(0, "this machine's place among --nnodes; node 0 serves HTTP, the others run their "
                                "ranks only")

@@ -16,6 +16,9 @@ ARCHS = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 _BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -28,6 +31,13 @@ _ARCH_EXTRA: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": dict(rope_theta=10000.0, sliding_window=8),  # windows bite on short prompts
     "Qwen2ForCausalLM": dict(rope_theta=1000000.0),  # q/k/v bias comes with the architecture
     "Qwen3ForCausalLM": dict(rope_theta=1000000.0, head_dim=32),  # head_dim != hidden / heads
+    # MoE: more experts than a token picks, widths that differ from the dense MLP's.
+    "Qwen3MoeForCausalLM": dict(rope_theta=1000000.0, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=48, norm_topk_prob=True),
+    "Qwen2MoeForCausalLM": dict(rope_theta=1000000.0, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+                                shared_expert_intermediate_size=80),
+    "MixtralForCausalLM": dict(rope_theta=10000.0, num_local_experts=4, num_experts_per_tok=2, intermediate_size=96,
+                               sliding_window=8),
 }
 
 

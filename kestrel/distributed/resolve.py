@@ -9,7 +9,7 @@ from kestrel.config import ParallelConfig, SpeculativeConfig
 def check_parallel(par: ParallelConfig, hf: dict[str, Any], device: str, speculative: SpeculativeConfig,
                    quantization: str | None) -> None:
     """Raise ValueError for flags that do not fit together or do not fit the model."""
-    from kestrel.models.registry import needs_dsv4_attention
+    from kestrel.models.registry import model_class, needs_dsv4_attention
 
     tp, ep = par.tp_size, par.ep_size
     if tp < 1:
@@ -27,7 +27,8 @@ def check_parallel(par: ParallelConfig, hf: dict[str, Any], device: str, specula
         raise ValueError("with nnodes > 1, dist_init_addr (host:port of node 0, reachable from every node) is "
                          "required")
     dsv4 = needs_dsv4_attention(hf.get("architectures") or [])
-    if ep > 1 and not dsv4:
+    moe = model_class(hf.get("architectures") or []).has_routed_experts
+    if ep > 1 and not moe:
         raise ValueError(f"ep_size {ep} splits the routed experts of a MoE model; this model has none")
     if tp == 1:
         return
@@ -57,5 +58,5 @@ def check_parallel(par: ParallelConfig, hf: dict[str, Any], device: str, specula
     if kv_heads % tp and tp % kv_heads:
         raise ValueError(f"tp_size {tp} and the model's num_key_value_heads ({kv_heads}) must divide one "
                          "another (fewer KV heads than ranks are replicated)")
-    if inter % tp:
+    if inter % tp and not moe:  # a MoE layer checks its own widths as it is built
         raise ValueError(f"tp_size {tp} must divide the model's intermediate_size ({inter})")

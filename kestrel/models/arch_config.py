@@ -14,6 +14,8 @@ from kestrel.layers.rotary import RopeConfig
 
 # Differences between the Llama-family architectures that the config does not spell out.
 _QWEN_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Architectures whose attention has per-head q/k RMSNorm and `attention_bias` on q, k, v and o.
+_QWEN3_ATTENTION = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -58,9 +60,11 @@ def parse_arch_config(config: dict[str, Any]) -> ArchConfig:
     # Qwen3's config class defaults head_dim to 128 rather than hidden / heads.
     default_head_dim = 128 if arch == "Qwen3ForCausalLM" else hidden // heads
     attention_bias = bool(config.get("attention_bias", False))
-    # Qwen2 always has q/k/v bias (and no o_proj bias); Llama and Qwen3 put `attention_bias` on all four.
-    qkv_bias = True if arch == "Qwen2ForCausalLM" else attention_bias
-    o_proj_bias = attention_bias if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") else False
+    # Qwen2 always has q/k/v bias (and no o_proj bias), Qwen2-MoE unless `qkv_bias` says not; Llama and
+    # Qwen3(-MoE) put `attention_bias` on all four.
+    qkv_bias = True if arch == "Qwen2ForCausalLM" else bool(config.get("qkv_bias", True)) \
+        if arch == "Qwen2MoeForCausalLM" else attention_bias
+    o_proj_bias = attention_bias if arch in ("LlamaForCausalLM", *_QWEN3_ATTENTION) else False
     eos = config.get("eos_token_id")
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
     return ArchConfig(
@@ -78,7 +82,7 @@ def parse_arch_config(config: dict[str, Any]) -> ArchConfig:
         qkv_bias=qkv_bias,
         o_proj_bias=o_proj_bias,
         mlp_bias=arch == "LlamaForCausalLM" and bool(config.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in _QWEN3_ATTENTION,
         rope=_parse_rope(config),
         sliding_windows=_sliding_windows(arch, config, num_layers),
         eos_token_ids=eos_ids,
@@ -127,13 +131,23 @@ def _parse_rope(config: dict[str, Any]) -> RopeConfig:
 
 
 def _sliding_windows(arch: str, config: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
-    """Per-layer window, matching transformers: Mistral windows every layer when `sliding_window` is
-    set; Qwen2/3 only with `use_sliding_window`, on layers marked "sliding_attention" (by default
-    those from `max_window_layers` on); Llama never."""
-    window = config.get("sliding_window")
-    if arch == "MistralForCausalLM":
+    """Per-layer window, matching transformers: Mistral and Mixtral window every layer when
+    `sliding_window` is set, Qwen3-MoE too with `use_sliding_window`; Qwen2/3 and Qwen2-MoE only with
+    `use_sliding_window`, on layers marked "sliding_attention" (by default Qwen2/3's are those from
+    `max_window_layers` on, Qwen2-MoE's the even ones below it); Llama never."""
+    window = config.get("sliding_window") or None  # Qwen2-MoE writes 0 for none
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return (window,) * num_layers
-    if arch in _QWEN_ARCHS and window is not None and config.get("use_sliding_window", False):
+    if window is None or not config.get("use_sliding_window", False):
+        return (None,) * num_layers
+    if arch == "Qwen3MoeForCausalLM":
+        return (window,) * num_layers
+    if arch == "Qwen2MoeForCausalLM":
+        layer_types = config.get("layer_types") or [
+            "sliding_attention" if i % 2 == 0 and i < config.get("max_window_layers", 28) else "full_attention"
+            for i in range(num_layers)]
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if arch in _QWEN_ARCHS:
         layer_types = config.get("layer_types") or [
             "sliding_attention" if i >= config.get("max_window_layers", 28) else "full_attention"
             for i in range(num_layers)

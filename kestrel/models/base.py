@@ -110,6 +110,8 @@ class CausalLM(ForwardModel):
     # EAGLE / EAGLE-3 heads trained on this family's hidden states draft for it, borrowing its
     # `input_embedding` and `compute_logits`.
     accepts_eagle_heads: ClassVar[bool] = False
+    # The family has routed experts, which `--ep-size` splits over the ranks.
+    has_routed_experts: ClassVar[bool] = False
 
     def __init__(self, config: Any, parallel: ParallelState) -> None:
         super().__init__()
@@ -135,6 +137,11 @@ class CausalLM(ForwardModel):
     def load_checkpoint(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         """Fill the model from (checkpoint name, tensor) pairs; only with `loads_own_checkpoint`."""
         raise NotImplementedError(f"{type(self).__name__} is filled by parameter name by the loader")
+
+    def checkpoint_name(self, name: str) -> str:
+        """The parameter name (before merging, `stacked_params`) of checkpoint tensor `name`, for
+        checkpoints that name a module otherwise than the model does; loaded by name only."""
+        return name
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
         """A tensor this rank never reads (another expert-parallel rank's expert); own loaders only."""

@@ -1,9 +1,12 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3): one class, differences driven by `ArchConfig`.
+The MoE families (llama_moe.py) are this decoder with MoE layers in place of some or all MLPs.
 
 Parameter names mirror transformers' (`model.layers.N.self_attn.q_proj.weight`, ...) so loading a
 checkpoint is a copy by name. Activations are flat: T tokens of all requests concatenated.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -76,11 +79,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """`mlp`: the feed-forward sublayer, hidden [T, H] -> [T, H] summed over the ranks (a LlamaMLP, or a
+    MoE layer)."""
+
     def __init__(self, cfg: ArchConfig, layer_id: int, rotary: RotaryEmbedding, kernels: Kernels,
-                 parallel: ParallelState) -> None:
+                 parallel: ParallelState, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, rotary, parallel=parallel)
-        self.mlp = LlamaMLP(cfg, kernels, parallel)
+        self.mlp = mlp
         fused = kernels.triton_elementwise
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton=fused)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton=fused)
@@ -115,15 +121,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """The decoder; also its `SegmentedDecoder` (embed, the layers' halves, final norm)."""
+    """The decoder; also its `SegmentedDecoder` (embed, the layers' halves, final norm). `layer_mlp(i)`
+    builds layer i's feed-forward sublayer."""
 
-    def __init__(self, cfg: ArchConfig, kernels: Kernels, parallel: ParallelState) -> None:
+    def __init__(self, cfg: ArchConfig, kernels: Kernels, parallel: ParallelState,
+                 layer_mlp: Callable[[int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if parallel.tp_size == 1 else \
             VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope,
                                           use_triton=kernels.triton_rope)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary_emb, kernels, parallel)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary_emb, kernels, parallel, layer_mlp(i))
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton=kernels.triton_elementwise)
 
@@ -164,12 +172,16 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, cfg: ArchConfig, kernels: Kernels = Kernels(), parallel: ParallelState = ParallelState()) -> None:
         super().__init__(cfg, parallel)
-        self.model = LlamaModel(cfg, kernels, parallel)
+        self.model = LlamaModel(cfg, kernels, parallel, lambda i: self.layer_mlp(i, kernels))
         # Tied checkpoints reuse the embedding; no separate lm_head parameter is created.
         self.lm_head = None
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if parallel.tp_size == 1 else \
                 VocabParallelHead(cfg.vocab_size, cfg.hidden_size, parallel)
+
+    def layer_mlp(self, layer_id: int, kernels: Kernels) -> nn.Module:
+        """Layer `layer_id`'s feed-forward sublayer (a MoE family's override places its MoE layers)."""
+        return LlamaMLP(self.config, kernels, self.parallel)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.model(input_ids, positions, batch)

@@ -88,7 +88,8 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
         from kestrel.quant.linears import use_checkpoint_fp8_linears
 
         use_checkpoint_fp8_linears(model, checkpoint_names(model_path), kernels.triton_fp8)
-    copy_checkpoint(model, model_path, cfg.architecture, cls.stacked_params, skip, hf_config=config)
+    copy_checkpoint(model, model_path, cfg.architecture, cls.stacked_params, skip, model.checkpoint_name,
+                    hf_config=config)
     return _quantized(model, quantization if stored is None else None, kernels).eval()
 
 
@@ -108,13 +109,23 @@ def copy_checkpoint(model: nn.Module, model_path: str | Path, what: str, stacked
     `rename`), or into its rows of a merged parameter (`stacked_params`, as `CausalLM` declares it),
     except names `skip` accepts. Raises ValueError listing missing or unexpected names, so a
     checkpoint loads whole or not at all. `hf_config`: the model's config, if read already."""
-    params = dict(model.state_dict(keep_vars=True))
-    expected = _expected_keys(model, params)
+    own = _tensor_loaders(model)
+    params = {name: p for name, p in model.state_dict(keep_vars=True).items() if _owner(name, own) is None}
+    expected = _expected_keys(model, params) | {f"{prefix}.{key}" for prefix, loader in own.items()
+                                                for key in loader.expected_keys()}
     loaded: set[str] = set()
     unexpected: list[str] = []
     with torch.no_grad(), progress_bar(len(expected), "Loading weights", "tensor") as bar:
         for name, read in _checkpoint_reads(Path(model_path), hf_config=hf_config):
             if skip(name):
+                continue
+            if (prefix := _owner(rename(name), own)) is not None:  # the module places it (MoE experts)
+                keys = own[prefix].load(rename(name)[len(prefix) + 1:], lambda read=read: read(None))
+                if keys is None:
+                    raise ValueError(f"{name}: not a tensor {what} knows for its routed experts; supported: "
+                                     f"{own[prefix].fmt.supported()}")
+                loaded.update(f"{prefix}.{key}" for key in keys)
+                bar.update()
                 continue
             target, rows, part = _destination(model, params, stacked_params, rename(name))
             if target is None:
@@ -129,6 +140,7 @@ def copy_checkpoint(model: nn.Module, model_path: str | Path, what: str, stacked
             loaded.add(target)
             bar.update()
     missing = sorted(expected - loaded)
+    unexpected += [f"{prefix}.{half}" for prefix, loader in own.items() for half in loader.unpaired()]
     if missing or unexpected:
         raise ValueError(f"checkpoint at {model_path} does not match {what}: "
                          f"missing {missing}, unexpected {sorted(unexpected)}")
@@ -165,6 +177,21 @@ def _destination(model: nn.Module, params: dict[str, torch.Tensor], stacked_para
         return None, None, None
     module_name, _, param_name = name.rpartition(".")
     return name, param.data, _slice(model.get_submodule(module_name), param_name, None)
+
+
+def _tensor_loaders(model: nn.Module) -> dict:
+    """Module name -> the loader of a module that places its own checkpoint tensors (a MoE layer's
+    stacked experts: `tensor_loader()`, kestrel.layers.moe.loading)."""
+    return {name: m.tensor_loader(name) for name, m in model.named_modules() if hasattr(m, "tensor_loader")}
+
+
+def _owner(name: str, owners: dict) -> str | None:
+    """The module of `owners` that `name` lies under, or None."""
+    parts = name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        if (prefix := ".".join(parts[:end])) in owners:
+            return prefix
+    return None
 
 
 def _slice(module: nn.Module, param_name: str, shard_id: int | None) -> Slice | None:

@@ -6,13 +6,19 @@ from typing import Any
 from kestrel.models.base import CausalLM
 from kestrel.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from kestrel.models.llama import LlamaForCausalLM
+from kestrel.models.mixtral import MixtralForCausalLM
+from kestrel.models.qwen2_moe import Qwen2MoeForCausalLM
+from kestrel.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[CausalLM]] = {
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -52,6 +52,18 @@ def test_tp2_tokens_equal_tp1(tiny_model, arch, overrides, options, last):
     assert run(model, prompts, params, tp_size=2, **options) == one
 
 
+@pytest.mark.parametrize("ep_size", [1, 2], ids=["experts-width-split", "experts-split"])
+def test_qwen3_moe_tp2_and_ep2_tokens_equal_tp1(tiny_model, ep_size):
+    """Qwen3-MoE at --tp-size 2: each expert's width split over the ranks (ep 1), or each rank holding
+    half the experts whole (ep 2); a dense MLP layer beside the MoE one. One all-reduce per MoE layer."""
+    model = tiny_model("qwen3_moe", mlp_only_layers=[1])
+    prompts = prompts_with_shared_prefixes(3, seed=6)
+    params = [GREEDY] * 2 + [SAMPLED]
+    options = dict(chunked_prefill_size=16)
+    one = run(model, prompts, params, **options)
+    assert run(model, prompts, params, tp_size=2, ep_size=ep_size, **options) == one
+
+
 def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(tiny_model):
     import os
     import signal

@@ -28,6 +28,12 @@ CASES = {
     "llama_tied": ("llama", dict(tie=True)),
     "llama3_rope": ("llama", dict(rope_parameters=LLAMA3_ROPE)),
     "llama_sharded": ("llama", dict(max_shard_size="40KB")),
+    # MoE families: the Llama decoder with MoE layers (kestrel/models/llama_moe.py).
+    "qwen3_moe": ("qwen3_moe", {}),  # renormalised top-2 of 8
+    "qwen3_moe_dense_layer": ("qwen3_moe", dict(mlp_only_layers=[1], norm_topk_prob=False, num_experts_per_tok=3)),
+    "qwen2_moe": ("qwen2_moe", {}),  # gated shared expert, q/k/v bias
+    "mixtral_sliding": ("mixtral", {}),  # window 8 on every layer
+    "mixtral_top1_of_8": ("mixtral", dict(sliding_window=None, num_local_experts=8, num_experts_per_tok=1)),
 }
 
 
@@ -65,9 +71,11 @@ def test_prefill_then_decode_matches_transformers(case: str, tmp_path: Path) -> 
         torch.testing.assert_close(logits[0], _hf_logits(hf, prompt + tok)[-1], atol=1e-4, rtol=1e-4)
 
 
-def test_chunked_prefill_matches_whole_prefill(tmp_path: Path) -> None:
-    # Mistral's window (8) is shorter than the prompts, so the second chunk must respect it across the split.
-    model = load_model(make_tiny_model("mistral", tmp_path), torch.float32, "cpu")
+@pytest.mark.parametrize("arch", ["mistral", "mixtral", "qwen2_moe"])
+def test_chunked_prefill_matches_whole_prefill(arch: str, tmp_path: Path) -> None:
+    # Mistral's and Mixtral's window (8) is shorter than the prompts, so the second chunk must respect it
+    # across the split; a MoE layer routes each token alone whatever chunk it comes in.
+    model = load_model(make_tiny_model(arch, tmp_path), torch.float32, "cpu")
     prompts = _prompts(model.config.vocab_size, seed=2)
     whole = Harness(model, len(prompts)).step(prompts)
     chunked = Harness(model, len(prompts))

@@ -36,6 +36,7 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     parse_config = staticmethod(parse_v4_config)
     loads_own_checkpoint = True
+    has_routed_experts = True
 
     def __init__(self, cfg: V4Config, kernels: Kernels = Kernels(), parallel: ParallelState = ParallelState()) -> None:
         super().__init__(cfg, parallel)
