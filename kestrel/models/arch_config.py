@@ -79,7 +79,7 @@ def parse_arch_config(config: dict[str, Any]) -> ArchConfig:
         o_proj_bias=o_proj_bias,
         mlp_bias=arch == "LlamaForCausalLM" and bool(config.get("mlp_bias", False)),
         qk_norm=arch == "Qwen3ForCausalLM",
-        rope=_parse_rope(config),
+        rope=parse_rope(config),
         sliding_windows=_sliding_windows(arch, config, num_layers),
         eos_token_ids=eos_ids,
     )
@@ -106,7 +106,7 @@ def check_sizes(config: dict[str, Any]) -> None:
                          "head_dim is given")
 
 
-def _parse_rope(config: dict[str, Any]) -> RopeConfig:
+def parse_rope(config: dict[str, Any]) -> RopeConfig:
     # transformers 5 writes `rope_parameters`; transformers 4 writes `rope_theta` + optional `rope_scaling`.
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     # transformers 5 may also write a null top-level `rope_theta` next to `rope_parameters`.
@@ -123,6 +123,10 @@ def _parse_rope(config: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=original_max,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=params.get("attention_factor"),
     )
 
 
