@@ -20,7 +20,8 @@ from kestrel.attention.dsv4_plan import StepPlan, V4Span
 from kestrel.core.forward_mode import ForwardMode
 from kestrel.distributed.parallel_state import ParallelState
 from kestrel.models.deepseek_v4.config import parse_v4_config
-from kestrel.models.deepseek_v4.moe import V4MoE
+from kestrel.layers.moe import MoE
+from kestrel.models.deepseek_v4.moe import v4_moe
 from kestrel.quant.kv_entries import RopeEntryFP8, ScaledKeyFP8
 from tests.e2e.test_spec_nextn import checkpoint, prompts, weights  # noqa: F401 - fixtures
 from tests.model import dsv4_reference as ref
@@ -232,14 +233,14 @@ def _finish(engine, batch, tokens: torch.Tensor) -> None:
     engine.scheduler.resolve(batch.reqs, [[t] for t in tokens.tolist()], futures)
 
 
-# ---- the grouped-GEMM MoE (kestrel/models/deepseek_v4/fused_moe.py) ------------------------------------
-def bf16_moe(experts: int, parallel: ParallelState, device: str = "cuda") -> V4MoE:
+# ---- the grouped-GEMM MoE (kestrel/layers/moe/fused_moe.py) ------------------------------------------
+def bf16_moe(experts: int, parallel: ParallelState, device: str = "cuda") -> MoE:
     """A V4 MoE of `experts` routed experts (6 per token), widths 1024 / 384, random weights, bf16 as the
     model loads it (the gate stays float32); clamp 1.5, so it fires."""
     cfg = dataclasses.replace(parse_v4_config(ref.RefConfig().native_config()), hidden_size=1024,
                               moe_intermediate_size=384, n_routed_experts=experts, num_experts_per_tok=6,
                               swiglu_limit=1.5)
-    layer = V4MoE(cfg, hash_routing=False, parallel=parallel).to(device)
+    layer = v4_moe(cfg, hash_routing=False, parallel=parallel).to(device)
     gen = torch.Generator(device).manual_seed(experts)
     with torch.no_grad():
         for p in layer.parameters():
@@ -263,9 +264,9 @@ def test_fused_moe_equals_the_loop_in_bf16(T: int) -> None:
     exact = copy.deepcopy(layer).float()
     loop, fused, oracle = (torch.zeros(T, 1024, device="cuda") for _ in range(3))
     with torch.no_grad():
-        layer.add_routed_hit_experts(x, ids, routing, loop)
-        layer.add_routed_fused(x, ids, routing, fused)
-        exact.add_routed_hit_experts(x.float(), ids, routing, oracle)
+        layer.add_routed(x, ids, routing, loop, "loop")
+        layer.add_routed(x, ids, routing, fused, "fused")
+        exact.add_routed(x.float(), ids, routing, oracle, "loop")
     assert oracle.abs().amax() > 0.1
     torch.testing.assert_close(fused, loop, atol=3e-2, rtol=3e-2)
     err_fused, err_loop = ((y - oracle).abs().max().item() for y in (fused, loop))

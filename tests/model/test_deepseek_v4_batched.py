@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kestrel.attention import dsv4
 from kestrel.attention.dsv4_plan import StepPlan, V4Span
-from kestrel.models.deepseek_v4 import moe
+from kestrel.layers.moe import paths as moe
 from kestrel.runner.cuda_graph import CudaGraphRunner
 from kestrel.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from tests.model import dsv4_reference as ref
@@ -153,7 +153,7 @@ def test_every_expert_moe_equals_hit_expert_loop(model) -> None:
     ids, weights = layer.gate(x, torch.arange(5))
     loop, every = (torch.zeros(5, CFG.hidden_size) for _ in range(2))
     with torch.no_grad():
-        layer.add_routed_hit_experts(x, ids, weights, loop)
-        layer.add_routed_every_expert(x, ids, weights, every)
+        layer.add_routed(x, ids, weights, loop, "loop")
+        layer.add_routed(x, ids, weights, every, "every")
     assert loop.abs().sum() > 0
     torch.testing.assert_close(every, loop, atol=1e-5, rtol=1e-5)

@@ -1,7 +1,7 @@
-"""V4's grouped-GEMM MoE (kestrel/models/deepseek_v4/fused_moe.py) on the CPU through Triton's interpreter,
+"""V4's grouped-GEMM MoE (kestrel/layers/moe/fused_moe.py) on the CPU through Triton's interpreter,
 fp32: the alignment of assignments into expert tiles (each local assignment once, whole tiles per expert,
 static shapes, other ranks' experts dropped, no host read), the fused sum = the hit-expert loop
-(V4MoE.add_routed_hit_experts) with an expert-parallel offset and the clamp firing, and V4MoE.forward
+(the layer's "loop" path) with an expert-parallel offset and the clamp firing, and MoE.forward
 with the fused path forced = with the loop."""
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ import torch
 
 from kestrel.distributed.parallel_state import ParallelState
 from kestrel.models.deepseek_v4.config import parse_v4_config
-from kestrel.models.deepseek_v4.moe import V4MoE
+from kestrel.layers.moe import MoE
+from kestrel.layers.moe.config import ExpertActivation
+from kestrel.models.deepseek_v4.moe import v4_moe
 from tests.model import dsv4_reference as ref
 from tests.model.test_deepseek_v4_batched import NoHostReads
 
 pytest.importorskip("triton")
-from kestrel.models.deepseek_v4 import fused_moe as fm  # noqa: E402 - after the skip: triton is optional
+from kestrel.layers.moe import fused_moe as fm  # noqa: E402 - after the skip: triton is optional
 
 LIMIT = 1.0  # small: the clamp fires on random weights
 
@@ -71,12 +73,12 @@ def test_alignment_tile_bound(ids, count, tile_expert) -> None:
         assert (local[rows[rows < n]] == e).all() and ((rows < n).any() or e == -1)
 
 
-def moe_layer(experts: int, k: int, seed: int, parallel: ParallelState) -> V4MoE:
+def moe_layer(experts: int, k: int, seed: int, parallel: ParallelState) -> MoE:
     """A V4 MoE of `experts` routed experts with random weights, widths 48 and 40 (no tile divides them)."""
     cfg = dataclasses.replace(parse_v4_config(ref.RefConfig().native_config()), hidden_size=48,
                               moe_intermediate_size=40, n_routed_experts=experts, num_experts_per_tok=k,
                               swiglu_limit=LIMIT)
-    layer = V4MoE(cfg, hash_routing=False, parallel=parallel)
+    layer = v4_moe(cfg, hash_routing=False, parallel=parallel)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in layer.parameters():
@@ -84,7 +86,7 @@ def moe_layer(experts: int, k: int, seed: int, parallel: ParallelState) -> V4MoE
     return layer
 
 
-def ep_moe(count: int, k: int, seed: int) -> V4MoE:
+def ep_moe(count: int, k: int, seed: int) -> MoE:
     """Rank 1 of 2: experts count .. 2 count - 1 of 2 count."""
     return moe_layer(2 * count, k, seed, ParallelState(1, 2, ep_size=2))
 
@@ -104,8 +106,8 @@ def test_fused_moe_equals_hit_expert_loop(T, k, count) -> None:
     assert (gate > LIMIT).any(), "the clamp should fire"
     loop, fused = torch.zeros(T, x.shape[1]), torch.zeros(T, x.shape[1])
     with torch.no_grad():
-        layer.add_routed_hit_experts(x, ids, weights, loop)
-        layer.add_routed_fused(x, ids, weights, fused)
+        layer.add_routed(x, ids, weights, loop, "loop")
+        layer.add_routed(x, ids, weights, fused, "fused")
     if T > 1:
         assert loop.abs().sum() > 0
     torch.testing.assert_close(fused, loop, atol=1e-5, rtol=1e-5)
@@ -118,9 +120,9 @@ def test_fused_moe_with_tall_tiles_equals_the_loop() -> None:
     ids, weights = random_ids(50, 3, 8, gen), torch.rand(50, 3, generator=gen)
     loop = torch.zeros(50, 48)
     with torch.no_grad():
-        layer.add_routed_hit_experts(x, ids, weights, loop)
-        fused = fm.fused_moe(x, ids, weights, layer.experts.w13, layer.experts.w2, 4, LIMIT,
-                             fm.MoeTileConfig(block_m=64, block_n=32, block_k=16))
+        layer.add_routed(x, ids, weights, loop, "loop")
+        fused = fm.fused_moe(x, ids, weights, layer.experts.w13, layer.experts.w2, 4,
+                             ExpertActivation("clamped_silu", LIMIT), cfg=fm.MoeTileConfig(block_m=64, block_n=32, block_k=16))
     torch.testing.assert_close(fused, loop, atol=1e-5, rtol=1e-5)
 
 

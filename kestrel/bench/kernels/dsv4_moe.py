@@ -1,7 +1,7 @@
-"""DeepSeek-V4's routed experts alone, three ways (kestrel/models/deepseek_v4/moe.py): every local expert on
-every token (`add_routed_every_expert`, the decode graphs' path up to EVERY_EXPERT_MAX local experts), the
-Triton grouped GEMM (`add_routed_fused`, fused_moe.py: the graphs' path above it, and eager on CUDA) and the
-hit-expert loop (`add_routed_hit_experts`, eager only: it reads the ids on the host).
+"""DeepSeek-V4's routed experts alone, the MoE layer's three paths (kestrel/layers/moe/paths.py): every local
+expert on every token ("every", the decode graphs' path up to EVERY_EXPERT_MAX local experts), the Triton
+grouped GEMM ("fused", fused_moe.py: the graphs' path above it, and eager on CUDA) and the hit-expert loop
+("loop", eager only: it reads the ids on the host).
 
     python -m kestrel.bench.kernels.dsv4_moe            # CUDA, < 3 min; JSON to $OUT/dsv4_moe.json
     TRITON_INTERPRET=1 python -m kestrel.bench.kernels.dsv4_moe --smoke   # the same code on CPU, tiny
@@ -31,9 +31,10 @@ from statistics import median
 import torch
 
 from kestrel.bench.common import copy_bandwidth, graph_ms, require_interpreter, run_budgeted, timed_ms, write_result
-from kestrel.models.deepseek_v4 import fused_moe
+from kestrel.layers.moe import MoE, fused_moe
+from kestrel.layers.moe.paths import EVERY_EXPERT_MAX
 from kestrel.models.deepseek_v4.config import parse_v4_config
-from kestrel.models.deepseek_v4.moe import EVERY_EXPERT_MAX, V4MoE
+from kestrel.models.deepseek_v4.moe import v4_moe
 
 SLICE_CONFIG = Path(__file__).resolve().parents[2] / "assets/configs/deepseek-v4-flash-slice/config.json"
 FULL = dict(device="cuda", dtype=torch.bfloat16, hidden=4096, inter=2048, k=6, experts=[16, 256],
@@ -46,7 +47,7 @@ SWEEP = [(16, 32, 128, 4), (16, 128, 64, 4), (16, 64, 256, 4), (32, 64, 128, 4),
          (64, 128, 64, 8), (128, 128, 64, 8)]
 
 
-def build_layer(p: dict, experts: int) -> V4MoE:
+def build_layer(p: dict, experts: int) -> MoE:
     """A V4 MoE layer at the widths of `p` with `experts` routed experts, random weights, on the device."""
     cfg = dataclasses.replace(parse_v4_config(json.loads(SLICE_CONFIG.read_text())), hidden_size=p["hidden"],
                               moe_intermediate_size=p["inter"], n_routed_experts=experts, num_experts_per_tok=p["k"])
@@ -54,7 +55,7 @@ def build_layer(p: dict, experts: int) -> V4MoE:
     torch.set_default_dtype(p["dtype"])  # the expert stacks are made in bf16 on the device, not fp32 first
     try:
         with torch.device(p["device"]):
-            layer = V4MoE(cfg, hash_routing=False)
+            layer = v4_moe(cfg, hash_routing=False)
     finally:
         torch.set_default_dtype(previous)
     gen = torch.Generator(p["device"]).manual_seed(experts)
@@ -64,7 +65,7 @@ def build_layer(p: dict, experts: int) -> V4MoE:
     return layer
 
 
-def run_case(p: dict, layer: V4MoE, tokens: int, bandwidth: float | None) -> dict:
+def run_case(p: dict, layer: MoE, tokens: int, bandwidth: float | None) -> dict:
     dev, experts, k = torch.device(p["device"]), layer.experts.count, p["k"]
     gen = torch.Generator(dev).manual_seed(tokens)
     x = torch.randn(tokens, p["hidden"], generator=gen, device=dev, dtype=p["dtype"])
@@ -78,16 +79,16 @@ def run_case(p: dict, layer: V4MoE, tokens: int, bandwidth: float | None) -> dic
         res["floor_ms"] = hit * expert_bytes / bandwidth * 1e3
     with torch.no_grad():
         want, got = torch.zeros_like(routed), torch.zeros_like(routed)
-        layer.add_routed_hit_experts(x, ids, weights, want)
-        layer.add_routed_fused(x, ids, weights, got)
+        layer.add_routed(x, ids, weights, want, "loop")
+        layer.add_routed(x, ids, weights, got, "fused")
         res["maxdiff"] = (got - want).abs().max().item()
         del want, got
-        ways = {"fused": layer.add_routed_fused, "loop": layer.add_routed_hit_experts}
+        ways = ["fused", "loop"]
         if tokens < p["prefill_from"] or experts <= EVERY_EXPERT_MAX:
-            ways["every"] = layer.add_routed_every_expert
+            ways.append("every")
         iters = p["iters"] if tokens < p["prefill_from"] else p["prefill_iters"]
-        for name, fn in ways.items():
-            call = lambda fn=fn: fn(x, ids, weights, routed)  # noqa: E731
+        for name in ways:
+            call = lambda name=name: layer.add_routed(x, ids, weights, routed, name)  # noqa: E731
             res[f"{name}_ms"] = median(timed_ms(call, dev, iters, warmup=2))
             if name != "loop" and dev.type == "cuda":
                 res[f"{name}_graph_ms"] = median(graph_ms(call, dev, iters))
@@ -98,7 +99,7 @@ def run_case(p: dict, layer: V4MoE, tokens: int, bandwidth: float | None) -> dic
     return res
 
 
-def sweep_case(p: dict, layer: V4MoE, tokens: int) -> dict:
+def sweep_case(p: dict, layer: MoE, tokens: int) -> dict:
     """The fused path's graphed (eager on CPU) time per tile config: {"bm,bn,bk,warps": ms}."""
     dev, experts, k = torch.device(p["device"]), layer.experts.count, p["k"]
     gen = torch.Generator(dev).manual_seed(tokens)
@@ -112,7 +113,7 @@ def sweep_case(p: dict, layer: V4MoE, tokens: int) -> dict:
     res = {}
     with torch.no_grad():
         for name, cfg in configs.items():
-            call = lambda cfg=cfg: fused_moe.fused_moe(x, ids, weights, ex.w13, ex.w2, ex.first, layer.limit, cfg)  # noqa: E731
+            call = lambda cfg=cfg: fused_moe.fused_moe(x, ids, weights, ex.w13, ex.w2, ex.first, layer.cfg.activation, cfg=cfg)  # noqa: E731
             try:
                 times = graph_ms(call, dev, iters) if dev.type == "cuda" else timed_ms(call, dev, iters)
                 res[name] = median(times)
@@ -176,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
            "widths": {k: p[k] for k in ("hidden", "inter", "k")}, "dtype": str(p["dtype"]),
            "every_expert_max": EVERY_EXPERT_MAX, "copy_GBps": bandwidth / 1e9 if bandwidth else None, "cases": {}}
     for experts in p["experts"]:
-        built: list[V4MoE] = []
+        built: list[MoE] = []
 
-        def layer() -> V4MoE:  # built by the first case that runs: a failure to build (an OOM) is that case's
+        def layer() -> MoE:  # built by the first case that runs: a failure to build (an OOM) is that case's
             if not built:
                 built.append(build_layer(p, experts))
             return built[0]

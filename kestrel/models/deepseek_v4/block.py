@@ -11,7 +11,7 @@ from kestrel.models.deepseek_v4.attention import V4Attention
 from kestrel.models.deepseek_v4.config import V4Config
 from kestrel.models.deepseek_v4.mhc import hc_post, hc_pre, hc_site_params
 from kestrel.distributed.parallel_state import ParallelState
-from kestrel.models.deepseek_v4.moe import V4MoE
+from kestrel.models.deepseek_v4.moe import v4_moe
 
 
 class V4Block(nn.Module):
@@ -26,7 +26,7 @@ class V4Block(nn.Module):
         hc_site_params(self, "hc_attn", cfg)
         hc_site_params(self, "hc_ffn", cfg)
         self.attn = V4Attention(cfg, layer_id, ratio)
-        self.ffn = V4MoE(cfg, hash_routing, parallel)
+        self.ffn = v4_moe(cfg, hash_routing, parallel)
 
     def forward(self, X: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from kestrel.distributed.parallel_state import ParallelState
-from kestrel.models.deepseek_v4.moe import Experts
+from kestrel.layers.moe.experts import Experts
 from kestrel.quant.fp8 import dequantize_blocks
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ _HF_RENAMES = [
     (r"compressor\.kv_proj\.", "compressor.wkv."), (r"compressor\.gate_proj\.", "compressor.wgate."),
     (r"compressor\.position_bias$", "compressor.ape"), (r"compressor\.kv_norm\.", "compressor.norm."),
     (r"\.attn\.kv_proj\.", ".attn.wkv."),
-    (r"\.mlp\.", ".ffn."), (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
+    (r"\.mlp\.", ".ffn."),
     (r"\.experts\.gate_up_proj$", ".experts.w13"), (r"\.experts\.down_proj$", ".experts.w2"),
     (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."), (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
     (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
@@ -61,12 +61,12 @@ def native_name(name: str) -> str:
     """The native name of a checkpoint tensor in either naming (scale suffixes kept)."""
     if name.startswith("lm_head."):  # transformers' head sits outside "model."
         return "head." + name.removeprefix("lm_head.")
-    if not name.startswith("model."):
-        return name
-    name = name.removeprefix("model.")
-    for pattern, repl in _HF_RENAMES:
-        name = re.sub(pattern, repl, name)
-    return name
+    if name.startswith("model."):
+        name = name.removeprefix("model.")
+        for pattern, repl in _HF_RENAMES:
+            name = re.sub(pattern, repl, name)
+    # The MoE layer's name for the selection-only bias (kestrel/layers/moe/routers.py), in both namings.
+    return re.sub(r"\.ffn\.gate\.bias$", ".ffn.gate.e_score_correction_bias", name)
 
 
 def is_remote_expert(name: str, n_routed_experts: int, parallel: ParallelState) -> bool:

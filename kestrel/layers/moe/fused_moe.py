@@ -1,11 +1,14 @@
-"""V4's routed experts as one grouped GEMM per projection, in Triton, with static shapes (CUDA-graph safe).
+"""A MoE layer's routed experts as one grouped GEMM per projection, in Triton, with static shapes (CUDA-graph
+safe).
 
 The T x k (token, slot) assignments of this rank's experts are sorted by local expert and each expert's
 rows padded to a multiple of the tile height BLOCK_M, so every tile of rows belongs to one expert
 (`align_assignments`, torch ops with no host read). Then two kernels over the tiles:
-- `_up_kernel`: a tile's tokens (gathered from x) times its expert's w1 and w3 rows, the clamped SwiGLU
-  SiLU(min(W1 x, L)) * clamp(W3 x, -L, L), written as the tile's activation rows [padded rows, I];
-- `_down_kernel`: a tile's activations times its expert's w2, times each row's routing weight, written to
+- `_up_kernel`: a tile's tokens (gathered from x) times its expert's w1 and w3 rows (plus their biases),
+  the gated activation (config.ExpertActivation: ACT 0 silu, 1 clamped_silu, 2 gpt_oss), written as the
+  tile's activation rows [padded rows, I];
+- `_down_kernel`: a tile's activations times its expert's w2 (plus its bias), times each row's routing
+  weight, written to
   the row's assignment (token * k + slot) of a float32 [T * k, d] buffer; a token's k rows are then summed
   by a reshape + sum. No atomics: the result does not depend on scheduling.
 An expert's weights are read once per tile of its rows, so a step reads the experts it hits, not all of
@@ -22,6 +25,7 @@ import triton.language as tl
 
 from kestrel import envs
 from kestrel.envs import triton_jit
+from kestrel.layers.moe.config import ACTIVATIONS, ExpertActivation
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ class MoeTileConfig:
 
 
 def default_config(assignments: int, count: int) -> MoeTileConfig:
-    """Untuned (scripts/bench_dsv4_moe.py measures it): the tile height follows the mean rows per local
+    """Untuned (kestrel/bench/kernels/dsv4_moe.py measures it): the tile height follows the mean rows per local
     expert, so a decode step (a few rows per expert) pads each hit expert to 16 rows, not 64, and a
     prefill chunk gets taller tiles that reuse each weight tile over more rows."""
     rows_per_expert = assignments / count
@@ -94,10 +98,10 @@ def align_assignments(ids: torch.Tensor, first: int, count: int, block_m: int) -
 
 
 @triton_jit
-def _up_kernel(X, W13, Rows, TileExpert, Act, n_assign, top_k, d, inter, limit,
-               stride_xt, stride_we, stride_wn, stride_wk, stride_am,
+def _up_kernel(X, W13, B13, Rows, TileExpert, Act, n_assign, top_k, d, inter, limit, alpha,
+               stride_xt, stride_we, stride_wn, stride_wk, stride_be, stride_am,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-               IEEE: tl.constexpr):
+               IEEE: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr):
     tile = tl.program_id(0)
     expert = tl.load(TileExpert + tile).to(tl.int64)
     if expert < 0:
@@ -128,17 +132,27 @@ def _up_kernel(X, W13, Rows, TileExpert, Act, n_assign, top_k, d, inter, limit,
         else:
             gate += tl.dot(x, a)
             up += tl.dot(x, b)
-    gate = tl.minimum(gate, limit)
-    act = gate / (1.0 + tl.exp(-gate)) * tl.minimum(tl.maximum(up, -limit), limit)
+    if HAS_BIAS:
+        bias = B13 + expert * stride_be + offs_n
+        gate += tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(bias + inter, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ACT == 0:  # silu
+        act = gate / (1.0 + tl.exp(-gate)) * up
+    elif ACT == 1:  # clamped_silu
+        gate = tl.minimum(gate, limit)
+        act = gate / (1.0 + tl.exp(-gate)) * tl.minimum(tl.maximum(up, -limit), limit)
+    else:  # gpt_oss
+        gate = tl.minimum(gate, limit)
+        act = (tl.minimum(tl.maximum(up, -limit), limit) + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
     out = Act + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :]
     tl.store(out, act.to(Act.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton_jit
-def _down_kernel(Act, W2, Rows, TileExpert, Weights, Out, n_assign, d, inter,
-                 stride_am, stride_we, stride_wn, stride_wk, stride_om,
+def _down_kernel(Act, W2, B2, Rows, TileExpert, Weights, Out, n_assign, d, inter,
+                 stride_am, stride_we, stride_wn, stride_wk, stride_be, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                 IEEE: tl.constexpr):
+                 IEEE: tl.constexpr, HAS_BIAS: tl.constexpr):
     tile = tl.program_id(0)
     expert = tl.load(TileExpert + tile).to(tl.int64)
     if expert < 0:
@@ -162,16 +176,20 @@ def _down_kernel(Act, W2, Rows, TileExpert, Weights, Out, n_assign, d, inter,
             acc += tl.dot(a, b, input_precision="ieee")
         else:
             acc += tl.dot(a, b)
+    if HAS_BIAS:
+        acc += tl.load(B2 + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     weight = tl.load(Weights + assignment, mask=row_ok, other=0.0)
     out = Out + assignment[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & n_ok[None, :])
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              first: int, limit: float, cfg: MoeTileConfig | None = None) -> torch.Tensor:
+              first: int, activation: ExpertActivation, b13: torch.Tensor | None = None,
+              b2: torch.Tensor | None = None, cfg: MoeTileConfig | None = None) -> torch.Tensor:
     """[T, d] float32: sum over each token's k routed experts that this rank holds (global ids `first` ..
-    `first + count - 1`) of weight x W2 (SiLU(min(W1 x, L)) * clamp(W3 x, -L, L)). x [T, d]; ids, weights
-    [T, k]; w13 [count, 2I, d] (w1 rows, then w3 rows); w2 [count, d, I]."""
+    `first + count - 1`) of weight x (W2 act(W1 x + b1, W3 x + b3) + b2), act the gated `activation`.
+    x [T, d]; ids, weights [T, k]; w13 [count, 2I, d] (w1 rows, then w3 rows); w2 [count, d, I];
+    b13 [count, 2I] and b2 [count, d] or None (no bias)."""
     T, d = x.shape
     count, inter = w2.shape[0], w2.shape[2]
     if w13.shape != (count, 2 * inter, d):
@@ -191,10 +209,14 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     ieee = upcast or x.dtype == torch.float32  # fp32 weights mean an exact product, not TF32
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=upcast, IEEE=ieee,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    # A missing bias passes its weight as a never-read pointer (HAS_BIAS False compiles the loads out).
+    b13_arg, b2_arg = (b13 if b13 is not None else w13), (b2 if b2 is not None else w2)
     _up_kernel[(num_tiles, triton.cdiv(inter, cfg.block_n))](
-        x, w13, tiles.rows, tiles.tile_expert, act, n, ids.shape[1], d, inter, float(limit),
-        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), **common)
+        x, w13, b13_arg, tiles.rows, tiles.tile_expert, act, n, ids.shape[1], d, inter, float(activation.limit),
+        float(activation.alpha), x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), b13_arg.stride(0),
+        act.stride(0), ACT=ACTIVATIONS.index(activation.kind), HAS_BIAS=b13 is not None, **common)
     _down_kernel[(num_tiles, triton.cdiv(d, cfg.block_n))](
-        act, w2, tiles.rows, tiles.tile_expert, flat_weights, out, n, d, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), **common)
+        act, w2, b2_arg, tiles.rows, tiles.tile_expert, flat_weights, out, n, d, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), b2_arg.stride(0), out.stride(0),
+        HAS_BIAS=b2 is not None, **common)
     return out.view(T, ids.shape[1], d).sum(1)
