@@ -109,14 +109,14 @@ def copy_checkpoint(model: nn.Module, model_path: str | Path, what: str, stacked
     except names `skip` accepts. Raises ValueError listing missing or unexpected names, so a
     checkpoint loads whole or not at all. `hf_config`: the model's config, if read already."""
     params = dict(model.state_dict(keep_vars=True))
-    expected = _expected_keys(model, params)
+    expected = expected_keys(model, params)
     loaded: set[str] = set()
     unexpected: list[str] = []
     with torch.no_grad(), progress_bar(len(expected), "Loading weights", "tensor") as bar:
         for name, read in _checkpoint_reads(Path(model_path), hf_config=hf_config):
             if skip(name):
                 continue
-            target, rows, part = _destination(model, params, stacked_params, rename(name))
+            target, rows, part = checkpoint_destination(model, params, stacked_params, rename(name))
             if target is None:
                 unexpected.append(name)
                 continue
@@ -148,9 +148,10 @@ def checkpoint_tensor(model_path: str | Path, name: str) -> torch.Tensor:
     raise KeyError(f"no tensor {name!r} in the checkpoint at {model_path}")
 
 
-def _destination(model: nn.Module, params: dict[str, torch.Tensor], stacked_params: StackedParams, name: str):
+def checkpoint_destination(model: nn.Module, params: dict[str, torch.Tensor], stacked_params: StackedParams, name: str):
     """(bookkeeping key, tensor view to copy into, this rank's Slice of the checkpoint tensor or None
-    for all of it) for a checkpoint name, or (None, None, None)."""
+    for all of it) for a checkpoint name (after renaming), or (None, None, None). `params`: the model's
+    `state_dict(keep_vars=True)`."""
     for part, (merged, shard_id) in stacked_params.items():
         if f".{part}." in name:
             merged_name = name.replace(f".{part}.", f".{merged}.")
@@ -173,7 +174,7 @@ def _slice(module: nn.Module, param_name: str, shard_id: int | None) -> Slice | 
     return module.checkpoint_slice(param_name, shard_id) if hasattr(module, "checkpoint_slice") else None
 
 
-def _expected_keys(model: nn.Module, params: dict[str, torch.Tensor]) -> set[str]:
+def expected_keys(model: nn.Module, params: dict[str, torch.Tensor]) -> set[str]:
     """Every parameter (and persistent buffer) name, merged parameters expanded to one key per shard ("name#i")."""
     keys = set()
     for name in params:
