@@ -113,7 +113,7 @@ def parse_rope(config: dict[str, Any]) -> RopeConfig:
     theta = params.get("rope_theta") or config.get("rope_theta") or 10000.0
     rope_type = params.get("rope_type", params.get("type", "default"))
     original_max = params.get("original_max_position_embeddings")
-    if rope_type == "llama3" and original_max is None:
+    if rope_type in ("llama3", "yarn") and original_max is None:
         # transformers falls back to the model's max length when the checkpoint omits it.
         original_max = config.get("max_position_embeddings")
     return RopeConfig(

@@ -15,6 +15,7 @@ import torch
 
 from kestrel.layers.moe.loading import (ExpertCheckpoint, QuantizedPair, StackedLayout, interleaved_gate_up,
                                         interleaved_gate_up_bias, transposed)
+from kestrel.models.destination import checkpoint_destination, expected_keys
 from kestrel.quant.mxfp4 import dequantize_mxfp4
 
 
@@ -39,8 +40,6 @@ _EXPERT_PARAMS = (".w13", ".w2", ".b13", ".b2")
 def load_gpt_oss(model, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
     """Fill `model` (a GptOssForCausalLM, this rank's shard) from (name, tensor) pairs; ValueError naming
     the missing and unexpected tensors, so a checkpoint loads whole or not at all."""
-    from kestrel.models.loader import checkpoint_destination, expected_keys  # the loader imports the registry
-
     cfg = model.config
     params = dict(model.state_dict(keep_vars=True))
     experts = {f"model.layers.{i}.mlp.experts.": layer.mlp.experts.tensor_loader()
