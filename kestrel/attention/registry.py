@@ -49,6 +49,9 @@ class BackendEntry:
     piecewise_cuda_graph: bool = False
     serves: frozenset[str] = field(default_factory=lambda: frozenset({"prefill", "decode"}))
     dsv4: bool = False  # serves DeepSeek-V4's window + compressed sparse attention, and only that
+    # Serves layers with attention sinks (a per-head logit in the softmax denominator: gpt-oss) and
+    # per-layer sliding windows; a model with sinks runs only on such a backend.
+    attention_sinks: bool = False
     # What it can serve for a draft model (kestrel.speculative.draft_backends): "decode", the multi-step draft
     # decode (each step's lanes attend to the prefix and their own earlier draft tokens), and "extend".
     draft_modes: frozenset[str] = field(default_factory=lambda: frozenset({"decode", "extend"}))
@@ -65,7 +68,7 @@ def register(name: str, **entry_fields):
 
 
 # ---- backends ------------------------------------------------------------------------------------
-@register("torch_native", unavailable=lambda config: None)
+@register("torch_native", unavailable=lambda config: None, attention_sinks=True)
 def _torch_native(pools, req_to_token, config):
     from kestrel.attention.torch_native import TorchNativeBackend
 
@@ -83,7 +86,7 @@ def _triton_unavailable(config: "EngineConfig") -> str | None:
 
 
 @register("triton", unavailable=_triton_unavailable, triton_kernels=True, library=("triton", "3.1"), cuda_graph=True,
-          piecewise_cuda_graph=True)
+          piecewise_cuda_graph=True, attention_sinks=True)
 def _triton(pools, req_to_token, config):
     from kestrel.attention.triton.decode import LengthAwareSplit
     from kestrel.attention.triton_backend import TritonBackend
@@ -103,7 +106,8 @@ def _sdpa_unavailable(config: "EngineConfig") -> str | None:
 # On CUDA the fallback is the Triton backend, so the flags are Triton's: the shared Triton kernels run
 # beside it, and what a CUDA graph captures (decode batches, verify trees, draft extends) never takes the
 # SDPA path (`sdpa.takes_fast_path`). Off CUDA the fallback is torch_native and neither flag is read.
-@register("sdpa", unavailable=_sdpa_unavailable, triton_kernels=True, cuda_graph=True)
+# Layers with sinks go to the fallback, which serves them.
+@register("sdpa", unavailable=_sdpa_unavailable, triton_kernels=True, cuda_graph=True, attention_sinks=True)
 def _sdpa(pools, req_to_token, config):
     from kestrel.attention.sdpa import SdpaBackend
 
@@ -139,6 +143,12 @@ def canonical(name: str) -> str:
         valid = sorted(REGISTRY) + sorted(ALIASES)
         raise ValueError(f"unknown attention backend {name!r}; valid choices: {', '.join(valid)}")
     return name
+
+
+def _model_needs_sinks(config: "EngineConfig") -> bool:
+    from kestrel.models.registry import needs_attention_sinks
+
+    return needs_attention_sinks(config.model.hf_config.get("architectures") or [])
 
 
 def _model_needs_dsv4(config: "EngineConfig") -> bool:
@@ -179,14 +189,20 @@ def resolve_sources(config: "EngineConfig") -> tuple[HalfSource, HalfSource]:
             raise ValueError(f"attention backend {name!r} (from {source}) cannot run here: {reason}")
         if phase not in entry.serves:
             raise ValueError(f"attention backend {name!r} (from {source}) cannot serve {phase}")
-        _check_model_fit(name, source, v4_model)
+        _check_model_fit(name, source, v4_model, _model_needs_sinks(config))
         halves.append(HalfSource(name, source, given))
     return halves[0], halves[1]
 
 
-def _check_model_fit(name: str, source: str, v4_model: bool) -> None:
-    """The split-backend rule for DeepSeek-V4: each half's backend must match the model's attention kind."""
+def _check_model_fit(name: str, source: str, v4_model: bool, sinks_model: bool) -> None:
+    """Each half's backend must match the model's attention kind: DeepSeek-V4's sparse attention on a
+    V4 backend only, and a model with attention sinks and per-layer windows (gpt-oss) on a backend that
+    serves them."""
     if REGISTRY[name].dsv4 == v4_model:
+        if sinks_model and not v4_model and not REGISTRY[name].attention_sinks:
+            fitting = ", ".join(sorted(n for n, e in REGISTRY.items() if e.attention_sinks and not e.dsv4))
+            raise ValueError(f"attention backend {name!r} (from {source}) cannot serve attention sinks, which this "
+                             f"model's layers have; use one of: {fitting}")
         return
     fitting = ", ".join(sorted(n for n, e in REGISTRY.items() if e.dsv4 == v4_model))
     what = "cannot run DeepSeek-V4's sparse attention" if v4_model else "serves only DeepSeek-V4 models"
@@ -208,7 +224,8 @@ def draft_attention_backends(config: "EngineConfig") -> BackendPair:
     reason = REGISTRY[name].unavailable(config)
     if reason is not None:
         raise ValueError(f"draft attention backend {name!r} cannot run here: {reason}")
-    _check_model_fit(name, "speculative_draft_attention_backend", _model_needs_dsv4(config))
+    _check_model_fit(name, "speculative_draft_attention_backend", _model_needs_dsv4(config),
+                     _model_needs_sinks(config))
     return BackendPair(prefill=name, decode=name)
 
 

@@ -10,7 +10,8 @@ verify's mask is not causal); on CUDA it also needs at most `FAST_MAX_REQUESTS` 
 `FAST_MIN_EXTEND` new tokens each, because each request costs its own launches (a batch of many short
 prompts, or a MIXED batch with decodes, is one launch of the Triton kernel). On CPU the fallback is
 the same per-request SDPA loop, so every eligible batch takes the fast path. Per layer: a sliding
-window shorter than a sequence goes to the fallback too (the fused kernels here take only causal masks).
+window shorter than a sequence goes to the fallback too (the fused kernels here take only causal masks),
+and so does a layer with attention sinks (gpt-oss: the fused kernels have no sink logit).
 """
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ class SdpaBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                 batch: ForwardBatch) -> torch.Tensor:
         window = layer.sliding_window
-        if not self._fast or (window is not None and max(batch.seq_lens_cpu) > window):
+        # torch's fused kernels take no sink logit: a layer with attention sinks goes to the fallback.
+        if not self._fast or layer.sinks is not None or (window is not None and max(batch.seq_lens_cpu) > window):
             return self.fallback.forward(q, k, v, layer, batch)
         kv = self.pools.layer(layer.layer_id)
         write_kv(kv, k, v, layer, batch.out_cache_loc)

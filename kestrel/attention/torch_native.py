@@ -44,9 +44,11 @@ class TorchNativeBackend:
             if batch.tree_mask is not None:
                 tree = batch.tree_mask[batch.tree_mask_starts[i]:][:extend * extend].view(extend, extend)
                 mask = torch.cat([torch.ones(extend, prefix, dtype=torch.bool, device=q.device), tree], dim=1)
+            qi, ki, vi = qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0)
+            if layer.sinks is not None:
+                ki, vi, mask = with_sinks(ki, vi, mask, layer.sinks, extend)
             out[start:start + extend] = F.scaled_dot_product_attention(
-                qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), attn_mask=mask, scale=layer.scaling,
-            )[0].transpose(0, 1)
+                qi, ki, vi, attn_mask=mask, scale=layer.scaling)[0].transpose(0, 1)
             start += extend
         return out.view(-1, layer.num_heads * layer.head_dim)
 
@@ -59,9 +61,29 @@ class TorchNativeBackend:
         k = from_pool(kv.k[slots], q.dtype, kv.k_scale).transpose(1, 2)  # [B, kv_heads, L, head_dim]
         v = from_pool(kv.v[slots], q.dtype, kv.v_scale).transpose(1, 2)
         seen = torch.arange(longest, device=q.device)[None, :] < batch.seq_lens[:, None]  # [B, L]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=seen[:, None, None, :],
+        mask = seen[:, None, None, :]
+        if layer.sinks is not None:
+            k, v, mask = with_sinks(k, v, mask, layer.sinks, 1)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask,
                                              scale=layer.scaling, enable_gqa=True)  # [B, heads, 1, head_dim]
         return out.reshape(-1, layer.num_heads * layer.head_dim)
+
+
+def with_sinks(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor,
+               num_queries: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention sinks as one more key: k/v [B, kv_heads, L, D] get a zero key and value, and the mask
+    (boolean, broadcastable to [B, heads, num_queries, L], or None) becomes an additive float mask
+    [B, heads, num_queries, L + 1] whose last column is each head's sink. The zero key scores 0, so
+    that column's logit is the sink itself, and its zero value adds nothing: softmax over keys and sink,
+    the sink's share dropped."""
+    batch, _, length, _ = k.shape
+    heads = sinks.shape[0]
+    zero = k.new_zeros(batch, k.shape[1], 1, k.shape[3])
+    bias = torch.zeros(batch, heads, num_queries, length, dtype=k.dtype, device=k.device)
+    if mask is not None:
+        bias = bias.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(k.dtype).view(1, heads, 1, 1).expand(batch, heads, num_queries, 1)
+    return torch.cat([k, zero], dim=2), torch.cat([v, zero], dim=2), torch.cat([bias, sink], dim=-1)
 
 
 def _one_call_decode(batch: ForwardBatch, layer: AttentionLayer) -> bool:

@@ -57,7 +57,8 @@ class TritonBackend:
         if batch.forward_mode is ForwardMode.DECODE:  # the decode kernel stores the new K/V itself
             decode_attention(q, k, v, kv.k, kv.v, out, table, batch.req_pool_indices, batch.seq_lens,
                              batch.out_cache_loc, layer.scaling, layer.sliding_window, self.upcast,
-                             self._num_splits, kv.k_scale, kv.v_scale, split_plan=self._split_plan)
+                             self._num_splits, kv.k_scale, kv.v_scale, split_plan=self._split_plan,
+                             sinks=layer.sinks)
         else:
             store_kv(k, v, kv.k, kv.v, batch.out_cache_loc, kv.k_scale, kv.v_scale)
             tree = batch.tree_mask.view(torch.uint8) if batch.tree_mask is not None else None
@@ -70,5 +71,5 @@ class TritonBackend:
             extend_attention(q, kv.k, kv.v, out, table, batch.req_pool_indices, batch.prefix_lens,
                              batch.extend_lens, self._q_starts, batch.max_extend, layer.scaling,
                              layer.sliding_window, self.upcast, tree, batch.tree_mask_starts, kv.k_scale, kv.v_scale,
-                             block_m=16 if few else 64, num_splits=num_splits)
+                             block_m=16 if few else 64, num_splits=num_splits, sinks=layer.sinks)
         return out.view(-1, layer.num_heads * layer.head_dim)

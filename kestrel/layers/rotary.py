@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,12 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # YaRN: the ramp between kept and slowed frequencies, in rotations over the original context;
+    # `truncate` rounds its ends to whole dims; `attention_factor` scales cos/sin (None: from `factor`).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
 
 
 def inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -31,7 +37,38 @@ def inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_scale(inv_freq, rope)
+    if rope.rope_type == "yarn":
+        return yarn_frequencies(head_dim, rope.theta, rope.factor, rope.original_max_position_embeddings,
+                                rope.beta_fast, rope.beta_slow, rope.truncate)
     return inv_freq
+
+
+def yarn_frequencies(rope_dim: int, theta: float, factor: float, original_max: int, beta_fast: float,
+                     beta_slow: float, truncate: bool) -> torch.Tensor:
+    """YaRN's float32 [rope_dim // 2] frequencies: theta^(-2k/r) for dims that turn more than `beta_fast`
+    times over the original context (kept), / factor for those under `beta_slow` (interpolated), a
+    linear ramp between. Computed in float64."""
+    k = torch.arange(rope_dim // 2, dtype=torch.float64)
+    omega = theta ** (-2 * k / rope_dim)
+
+    def correction_dim(rotations: float) -> float:
+        return rope_dim * math.log(original_max / (2 * math.pi * rotations)) / (2 * math.log(theta))
+
+    lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, rope_dim - 1)
+    ramp = ((k - lo) / max(hi - lo, 1e-3)).clamp(0, 1)
+    return (omega * (1 - ramp) + omega / factor * ramp).float()
+
+
+def attention_scaling(rope: RopeConfig) -> float:
+    """What cos/sin are multiplied by: YaRN's 0.1 ln(factor) + 1 (unless the config gives it), else 1."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    return 0.1 * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
 
 
 def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -51,8 +88,9 @@ class RotaryEmbedding(nn.Module):
     """Applies rope at `positions` [T] to x [T, heads * D]: the query and key heads side by side, so
     one call (one kernel on the Triton path) rotates both. Shape and dtype are kept.
 
-    The cache is float32 [max_positions, D] (cos in the first half, sin in the second) and is not a
-    checkpoint parameter; cos/sin are cast to the activation dtype before use, as transformers does.
+    The cache is float32 [max_positions, D] (cos in the first half, sin in the second, both times the
+    rope's attention scaling) and is not a checkpoint parameter; cos/sin are cast to the activation
+    dtype before use, as transformers does.
     """
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, use_triton: bool = False) -> None:
@@ -66,7 +104,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inv_frequencies(head_dim, rope)
         # Built on the default device: the loader constructs models under the target device.
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scaling(rope)
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.triton_kernel is not None:

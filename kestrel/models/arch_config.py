@@ -83,7 +83,7 @@ def parse_arch_config(config: dict[str, Any]) -> ArchConfig:
         o_proj_bias=o_proj_bias,
         mlp_bias=arch == "LlamaForCausalLM" and bool(config.get("mlp_bias", False)),
         qk_norm=arch in _QWEN3_ATTENTION,
-        rope=_parse_rope(config),
+        rope=parse_rope(config),
         sliding_windows=_sliding_windows(arch, config, num_layers),
         eos_token_ids=eos_ids,
     )
@@ -110,14 +110,14 @@ def check_sizes(config: dict[str, Any]) -> None:
                          "head_dim is given")
 
 
-def _parse_rope(config: dict[str, Any]) -> RopeConfig:
+def parse_rope(config: dict[str, Any]) -> RopeConfig:
     # transformers 5 writes `rope_parameters`; transformers 4 writes `rope_theta` + optional `rope_scaling`.
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     # transformers 5 may also write a null top-level `rope_theta` next to `rope_parameters`.
     theta = params.get("rope_theta") or config.get("rope_theta") or 10000.0
     rope_type = params.get("rope_type", params.get("type", "default"))
     original_max = params.get("original_max_position_embeddings")
-    if rope_type == "llama3" and original_max is None:
+    if rope_type in ("llama3", "yarn") and original_max is None:
         # transformers falls back to the model's max length when the checkpoint omits it.
         original_max = config.get("max_position_embeddings")
     return RopeConfig(
@@ -127,6 +127,10 @@ def _parse_rope(config: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=original_max,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=params.get("attention_factor"),
     )
 
 

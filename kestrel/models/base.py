@@ -107,6 +107,9 @@ class CausalLM(ForwardModel):
     # The family reads its checkpoint itself (`load_checkpoint`, `skips_checkpoint_tensor`,
     # `fill_dummy`): other tensor names, its own dequantisation; kestrel's FP8 layers do not apply.
     loads_own_checkpoint: ClassVar[bool] = False
+    # Quantised checkpoint formats its own loader dequantises (quantization_config.quant_method), beyond
+    # the block-scaled FP8 every family loads.
+    checkpoint_quantizations: ClassVar[tuple[str, ...]] = ()
     # EAGLE / EAGLE-3 heads trained on this family's hidden states draft for it, borrowing its
     # `input_embedding` and `compute_logits`.
     accepts_eagle_heads: ClassVar[bool] = False

@@ -15,6 +15,7 @@ from kestrel.distributed.parallel_state import ParallelState
 from kestrel.layers.kernels import Kernels
 from kestrel.layers.linear import Slice
 from kestrel.models.base import CausalLM, StackedParams
+from kestrel.models.destination import checkpoint_destination, expected_keys
 from kestrel.models.gguf import gguf_file, gguf_tensors, read_gguf_config
 from kestrel.models.registry import model_class
 from kestrel.progress import progress_bar
@@ -111,8 +112,8 @@ def copy_checkpoint(model: nn.Module, model_path: str | Path, what: str, stacked
     checkpoint loads whole or not at all. `hf_config`: the model's config, if read already."""
     own = _tensor_loaders(model)
     params = {name: p for name, p in model.state_dict(keep_vars=True).items() if _owner(name, own) is None}
-    expected = _expected_keys(model, params) | {f"{prefix}.{key}" for prefix, loader in own.items()
-                                                for key in loader.expected_keys()}
+    expected = expected_keys(model, params) | {f"{prefix}.{key}" for prefix, loader in own.items()
+                                               for key in loader.expected_keys()}
     loaded: set[str] = set()
     unexpected: list[str] = []
     with torch.no_grad(), progress_bar(len(expected), "Loading weights", "tensor") as bar:
@@ -127,7 +128,7 @@ def copy_checkpoint(model: nn.Module, model_path: str | Path, what: str, stacked
                 loaded.update(f"{prefix}.{key}" for key in keys)
                 bar.update()
                 continue
-            target, rows, part = _destination(model, params, stacked_params, rename(name))
+            target, rows, part = checkpoint_destination(model, params, stacked_params, rename(name))
             if target is None:
                 unexpected.append(name)
                 continue
@@ -160,25 +161,6 @@ def checkpoint_tensor(model_path: str | Path, name: str) -> torch.Tensor:
     raise KeyError(f"no tensor {name!r} in the checkpoint at {model_path}")
 
 
-def _destination(model: nn.Module, params: dict[str, torch.Tensor], stacked_params: StackedParams, name: str):
-    """(bookkeeping key, tensor view to copy into, this rank's Slice of the checkpoint tensor or None
-    for all of it) for a checkpoint name, or (None, None, None)."""
-    for part, (merged, shard_id) in stacked_params.items():
-        if f".{part}." in name:
-            merged_name = name.replace(f".{part}.", f".{merged}.")
-            param = params.get(merged_name)
-            if param is None:
-                return None, None, None
-            module_name, _, param_name = merged_name.rpartition(".")
-            module = model.get_submodule(module_name)
-            return f"{merged_name}#{shard_id}", module.shard(param.data, shard_id), _slice(module, param_name, shard_id)
-    param = params.get(name)
-    if param is None:
-        return None, None, None
-    module_name, _, param_name = name.rpartition(".")
-    return name, param.data, _slice(model.get_submodule(module_name), param_name, None)
-
-
 def _tensor_loaders(model: nn.Module) -> dict:
     """Module name -> the loader of a module that places its own checkpoint tensors (a MoE layer's
     stacked experts: `tensor_loader()`, kestrel.layers.moe.loading)."""
@@ -192,21 +174,6 @@ def _owner(name: str, owners: dict) -> str | None:
         if (prefix := ".".join(parts[:end])) in owners:
             return prefix
     return None
-
-
-def _slice(module: nn.Module, param_name: str, shard_id: int | None) -> Slice | None:
-    """The part of a checkpoint tensor this rank's `module` holds; None: all of it (no tensor parallelism,
-    or a layer that is whole on every rank, such as an FP8 checkpoint's)."""
-    return module.checkpoint_slice(param_name, shard_id) if hasattr(module, "checkpoint_slice") else None
-
-
-def _expected_keys(model: nn.Module, params: dict[str, torch.Tensor]) -> set[str]:
-    """Every parameter (and persistent buffer) name, merged parameters expanded to one key per shard ("name#i")."""
-    keys = set()
-    for name in params:
-        shards = getattr(model.get_submodule(name.rpartition(".")[0]), "shard_sizes", None)
-        keys |= {f"{name}#{i}" for i in range(len(shards))} if shards else {name}
-    return keys
 
 
 def _counted(tensors: Iterator[tuple[str, torch.Tensor]], bar) -> Iterator[tuple[str, torch.Tensor]]:

@@ -5,6 +5,7 @@ from typing import Any
 
 from kestrel.models.base import CausalLM
 from kestrel.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from kestrel.models.gpt_oss.model import GptOssForCausalLM
 from kestrel.models.llama import LlamaForCausalLM
 from kestrel.models.mixtral import MixtralForCausalLM
 from kestrel.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -12,6 +13,7 @@ from kestrel.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[CausalLM]] = {
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
@@ -39,6 +41,12 @@ def needs_dsv4_attention(architectures: list[str]) -> bool:
     """DeepSeek-V4's sliding-window + compressed sparse attention runs only on a V4-capable backend
     (and such a backend serves nothing else)."""
     return "DeepseekV4ForCausalLM" in architectures
+
+
+def needs_attention_sinks(architectures: list[str]) -> bool:
+    """gpt-oss's layers have attention sinks (and alternate sliding-window and full attention): only a
+    backend that serves both runs it (the attention registry's `attention_sinks`)."""
+    return "GptOssForCausalLM" in architectures
 
 
 def kv_page_multiple(hf_config: dict[str, Any]) -> int:

@@ -7,6 +7,7 @@ import torch
 
 from kestrel.quant.fp8 import BLOCK
 from kestrel.quant.kv import KV_CACHE_DTYPES
+from kestrel.quant.mxfp4 import is_mxfp4_checkpoint
 
 QUANTIZATIONS = ("fp8",)
 # Ada (sm89) and Hopper (sm90) have FP8 tensor cores and conversions; older GPUs have neither.
@@ -50,6 +51,8 @@ def resolve_quantization(quantization: str | None, kv_cache_dtype: str, hf: dict
             raise ValueError("quantization 'fp8' is not supported for DeepSeek-V4: its loader dequantizes the "
                              "checkpoint's FP8/FP4 weights to the model dtype; leave quantization unset")
         return None
+    if is_mxfp4_checkpoint(hf):
+        return _mxfp4_checkpoint(quantization, hf)
     quantization = quantization or checkpoint_quantization(hf)
     if (quantization or kv_cache_dtype != "auto") and device != "cpu":
         have = torch.cuda.get_device_capability(device)
@@ -60,3 +63,19 @@ def resolve_quantization(quantization: str | None, kv_cache_dtype: str, hf: dict
                              f"newer); this one is {have[0]}.{have[1]}. Use kv_cache_dtype='auto' and no "
                              "quantization (on CPU, FP8 is emulated)")
     return quantization
+
+
+def _mxfp4_checkpoint(quantization: str | None, hf: dict[str, Any]) -> None:
+    """An MXFP4 checkpoint loads only into a family that dequantises it at load (gpt-oss's experts), to
+    the model dtype: so no weight quantization is left to resolve, and any device that runs the model
+    dtype serves it."""
+    from kestrel.models.registry import model_class
+
+    cls = model_class(hf.get("architectures") or [])
+    if "mxfp4" not in cls.checkpoint_quantizations:
+        raise ValueError(f"the checkpoint is quantized with 'mxfp4', which kestrel loads for gpt-oss's experts "
+                         f"only, not for {cls.__name__}")
+    if quantization is not None:
+        raise ValueError(f"quantization {quantization!r} is not supported for an MXFP4 checkpoint: its experts are "
+                         "dequantised to the model dtype at load; leave quantization unset")
+    return None

@@ -157,8 +157,8 @@ def test_transformers4_and_5_rope_formats_parse_alike() -> None:
 
 
 def test_unsupported_configs_raise() -> None:
-    with pytest.raises(ValueError, match="'yarn'.*default, linear, llama3"):
-        model_class(["LlamaForCausalLM"])(parse_arch_config(_config(rope_parameters={"rope_type": "yarn"})))
+    with pytest.raises(ValueError, match="'longrope'.*default, linear, llama3, yarn"):
+        model_class(["LlamaForCausalLM"])(parse_arch_config(_config(rope_parameters={"rope_type": "longrope"})))
     with pytest.raises(ValueError, match="gelu"):
         parse_arch_config(_config(hidden_act="gelu"))
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):

@@ -39,7 +39,8 @@ def run_decode(q, k_buf, v_buf, table, rows, seq, scale, window, upcast, num_spl
     return out
 
 
-def reference(q, k_buf, v_buf, table, rows, prefix, extend, scale, window):
+def reference(q, k_buf, v_buf, table, rows, prefix, extend, scale, window, sinks=None):
+    """Softmax attention in float64; `sinks` [heads]: each head's sink logit joins the denominator."""
     outs = []
     start = 0
     for row, p, e in zip(rows.tolist(), prefix, extend):
@@ -54,7 +55,11 @@ def reference(q, k_buf, v_buf, table, rows, prefix, extend, scale, window):
         if window is not None:
             visible &= q_pos - k_pos < window
         s = s.masked_fill(~visible, float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v))
+        if sinks is not None:  # the sink's column is dropped after the softmax
+            s = torch.cat([s, sinks.double().view(-1, 1, 1).expand(-1, e, 1)], dim=-1)
+            outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1)[..., :-1], v))
+        else:
+            outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v))
         start += e
     return torch.cat(outs)
 
@@ -104,3 +109,45 @@ def test_decode_matches_reference(group, head_dim, dtype, window, num_splits):
                      block_n=16)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+# Attention sinks (gpt-oss), with and without a window, one split and several (the sink then joins
+# in the merge, once): direct and split paths of both kernels.
+SINK_CASES = [(2, 16, None, 1), (2, 16, 5, 1), (4, 32, None, 3), (2, 16, 6, 3)]
+
+
+@pytest.mark.parametrize("group, head_dim, window, num_splits", SINK_CASES)
+def test_extend_with_sinks(group, head_dim, window, num_splits):
+    gen = torch.Generator().manual_seed(7 + group + num_splits)
+    kv_heads = 2
+    prefix, extend = [0, 9, 3], [11, 2, 6]
+    seq = [p + e for p, e in zip(prefix, extend)]
+    table, rows = paged_layout(seq, 80, gen)
+    k_buf = torch.randn(80, kv_heads, head_dim, generator=gen).to(DEVICE)
+    v_buf = torch.randn(80, kv_heads, head_dim, generator=gen).to(DEVICE)
+    q = torch.randn(sum(extend), kv_heads * group, head_dim, generator=gen).to(DEVICE)
+    sinks = (torch.randn(kv_heads * group, generator=gen) * 2).to(DEVICE)
+    out = torch.empty_like(q)
+    ext = torch.tensor(extend, device=DEVICE)
+    extend_attention(q, k_buf, v_buf, out, table, rows, torch.tensor(prefix, device=DEVICE), ext,
+                     torch.cumsum(ext, 0) - ext, max(extend), 1 / math.sqrt(head_dim), window, UPCAST,
+                     block_m=16, block_n=16, num_splits=num_splits, sinks=sinks)
+    ref = reference(q, k_buf, v_buf, table, rows, prefix, extend, 1 / math.sqrt(head_dim), window, sinks)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("group, head_dim, window, num_splits", SINK_CASES)
+def test_decode_with_sinks(group, head_dim, window, num_splits):
+    gen = torch.Generator().manual_seed(11 + group + num_splits)
+    kv_heads = 2
+    seq = [1, 7, 30]
+    table, rows = paged_layout(seq, 80, gen)
+    k_buf = torch.randn(80, kv_heads, head_dim, generator=gen).to(DEVICE)
+    v_buf = torch.randn(80, kv_heads, head_dim, generator=gen).to(DEVICE)
+    q = torch.randn(len(seq), kv_heads * group, head_dim, generator=gen).to(DEVICE)
+    sinks = (torch.randn(kv_heads * group, generator=gen) * 2).to(DEVICE)
+    ref = reference(q, k_buf, v_buf, table, rows, [s - 1 for s in seq], [1] * len(seq), 1 / math.sqrt(head_dim),
+                    window, sinks)
+    out = run_decode(q, k_buf, v_buf, table, rows, seq, 1 / math.sqrt(head_dim), window, UPCAST, num_splits,
+                     block_n=16, sinks=sinks)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)

@@ -31,3 +31,12 @@ def attend_block(q, K, V, req_to_token, row, stride_row, kv_head, stride_kt, str
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
+
+
+@triton_jit
+def sink_denominator(l_i, m_i, sink):
+    """The online softmax's denominator with an attention sink: the keys' sum l_i (relative to their max
+    m_i) plus the sink's exp(sink - m_i). A row that saw no key (m_i = -inf, l_i = 0) is measured from
+    the sink itself, so its output stays 0 without an infinity."""
+    m_safe = tl.where(m_i == float("-inf"), sink, m_i)
+    return l_i + tl.exp(sink - m_safe)

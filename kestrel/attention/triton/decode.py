@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.attention.triton.common import attend_block
+from kestrel.attention.triton.common import attend_block, sink_denominator
 from kestrel.envs import triton_jit
 from kestrel.quant.fp8_triton import fp8_store_args, to_storage
 
@@ -32,11 +32,13 @@ from kestrel.quant.fp8_triton import fp8_store_args, to_storage
 @triton_jit
 def _decode_partial_kernel(
     Q, K, V, O, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens, split_chunks, split_counts, K_new, V_new, new_slots,
+    Sinks,
     stride_knt, stride_vnt, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_row,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, sm_scale, k_scale, v_scale, window, num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     DIRECT: tl.constexpr, PER_REQUEST_CHUNK: tl.constexpr, FP8_MAX: tl.constexpr, EXACT_ROUND: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -84,7 +86,10 @@ def _decode_partial_kernel(
         m_i, l_i, acc = attend_block(q, K, V, req_to_token, row, stride_row, kv_head, stride_kt, stride_kh,
                                      stride_vt, stride_vh, offs_n, n_mask, n_mask[None, :], offs_d, d_mask, m_i, l_i,
                                      acc, sm_scale * k_scale, PRECISION)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
+    if HAS_SINKS and DIRECT:  # with several splits the merge adds the sink once, to the whole
+        out = acc / sink_denominator(l_i, m_i, tl.load(Sinks + heads, mask=h_mask, other=0.0))[:, None] * v_scale
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
     if DIRECT:  # a single split is the whole answer: no second stage
         tl.store(O + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
                  mask=h_mask[:, None] & d_mask[None, :])
@@ -98,8 +103,9 @@ def _decode_partial_kernel(
 
 @triton_jit
 def _decode_merge_kernel(
-    mid_o, mid_lse, O, split_counts, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ot, stride_oh,
-    num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PER_TOKEN_COUNT: tl.constexpr,
+    mid_o, mid_lse, O, split_counts, Sinks, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ot,
+    stride_oh, num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    PER_TOKEN_COUNT: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -115,7 +121,13 @@ def _decode_merge_kernel(
     w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m))
     parts = tl.load(mid_o + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
                     mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(parts * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    if HAS_SINKS:  # the sink joins the denominator once, as one more part with lse = sink and value 0
+        sink = tl.load(Sinks + h)
+        m_all = tl.maximum(m, sink)
+        w = tl.exp(lse - m_all)
+        out = tl.sum(parts * w[:, None], 0) / (tl.sum(w, 0) + tl.exp(sink - m_all))
+    else:
+        out = tl.sum(parts * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(O + b * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
 
 
@@ -169,7 +181,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
                      out: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, new_slots: torch.Tensor, sm_scale: float, sliding_window: int | None,
                      upcast: bool, num_splits: int, k_scale: float = 1.0, v_scale: float = 1.0, block_n: int = 64,
-                     num_warps: int = 4, num_stages: int = 3, split_plan: SplitPlan | None = None) -> None:
+                     num_warps: int = 4, num_stages: int = 3, split_plan: SplitPlan | None = None,
+                     sinks: torch.Tensor | None = None) -> None:
     """q/out: [B, num_heads, head_dim] (one token per request); k/v: [B, num_kv_heads * head_dim], the new
     tokens' K/V (rows may be strided views), stored at `new_slots` [B] (their req_to_token entries at
     position seq_len - 1); k_buf/v_buf: [slots, num_kv_heads, head_dim], FP8 buffers storing value / scale
@@ -177,7 +190,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
 
     Without `split_plan` every request is cut into `num_splits` equal chunks (uniform policy); with one
     (length-aware policy, `length_aware_plan`) each request is cut as the plan says and `num_splits` is
-    ignored for the plan's `max_splits`. One split per request writes the output directly, no merge."""
+    ignored for the plan's `max_splits`. One split per request writes the output directly, no merge.
+    `sinks`: float32 [num_heads] attention-sink logits (None: no sink)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
@@ -192,7 +206,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
     chunks, counts = (split_plan.split_chunks, split_plan.split_counts) if per_request else (seq_lens, seq_lens)
     _decode_partial_kernel[(batch, num_kv_heads, num_splits)](
         q, k_buf, v_buf, out, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens, chunks, counts, k, v,
-        new_slots, k.stride(0), v.stride(0), q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
+        new_slots, sinks if sinks is not None else mid_lse, k.stride(0), v.stride(0), q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0), mid_o.stride(0),
         mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), sm_scale, k_scale, v_scale,
         sliding_window or 0, num_splits,
@@ -200,23 +214,24 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
         BLOCK_N=block_n, USE_WINDOW=sliding_window is not None, UPCAST=upcast,
         # float32 stays float32 (TF32 would drift from the reference); half types use tensor cores.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct, PER_REQUEST_CHUNK=per_request,
-        **fp8_store_args(k_buf.dtype), num_warps=num_warps, num_stages=num_stages,
+        **fp8_store_args(k_buf.dtype), HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
-        merge_splits(mid_o, mid_lse, out, num_splits, counts if per_request else None)
+        merge_splits(mid_o, mid_lse, out, num_splits, counts if per_request else None, sinks)
 
 
 def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, num_splits: int,
-                 split_counts: torch.Tensor | None = None) -> None:
+                 split_counts: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> None:
     """out[t, h] = the softmax-weighted mix of the partial outputs mid_o[t, h, s] by their log-sum-exps
     mid_lse[t, h, s] (t: a query token; the decode kernel has one per request), over the first
-    split_counts[t] splits when given (the others were never written), else all `num_splits`."""
+    split_counts[t] splits when given (the others were never written), else all `num_splits`; with
+    `sinks` [num_heads], head h's sink logit joins the denominator."""
     tokens, num_heads, head_dim = out.shape
     block_d = mid_o.shape[-1]
     per_token = split_counts is not None
     _decode_merge_kernel[(tokens, num_heads)](
-        mid_o, mid_lse, out, split_counts if per_token else mid_lse, mid_o.stride(0), mid_o.stride(1),
-        mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-        num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        PER_TOKEN_COUNT=per_token,
+        mid_o, mid_lse, out, split_counts if per_token else mid_lse, sinks if sinks is not None else mid_lse,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), out.stride(0),
+        out.stride(1), num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), PER_TOKEN_COUNT=per_token, HAS_SINKS=sinks is not None,
     )

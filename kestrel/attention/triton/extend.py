@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.attention.triton.common import attend_block
+from kestrel.attention.triton.common import attend_block, sink_denominator
 from kestrel.attention.triton.decode import merge_splits
 from kestrel.envs import triton_jit
 
@@ -24,11 +24,11 @@ from kestrel.envs import triton_jit
 @triton_jit
 def _extend_kernel(
     Q, K, V, O, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts, tree_mask, tree_starts,
-    mid_o, mid_lse, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    mid_o, mid_lse, Sinks, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_row, stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, sm_scale, v_scale, window, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    TREE: tl.constexpr, SPLIT: tl.constexpr,
+    TREE: tl.constexpr, SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -82,7 +82,10 @@ def _extend_kernel(
             m_i, l_i, acc = attend_block(q, K, V, req_to_token, row, stride_row, kv_head, stride_kt, stride_kh,
                                          stride_vt, stride_vh, offs_n, n_mask, visible, offs_d, d_mask, m_i, l_i,
                                          acc, sm_scale, PRECISION)
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
+        if HAS_SINKS and not SPLIT:  # split shares get the sink once, in the merge
+            out = acc / sink_denominator(l_i, m_i, tl.load(Sinks + h))[:, None] * v_scale
+        else:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
         if SPLIT:  # an empty share (or all of it masked) weighs 0 in the merge
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_i))
             rows = (q_start + offs_m) * stride_mt + h * stride_mh + split * stride_ms
@@ -98,12 +101,13 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      extend_lens: torch.Tensor, q_starts: torch.Tensor, max_extend: int, sm_scale: float,
                      sliding_window: int | None, upcast: bool, tree_mask: torch.Tensor | None = None,
                      tree_starts: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                     block_m: int = 64, block_n: int = 64, num_splits: int = 1) -> None:
+                     block_m: int = 64, block_n: int = 64, num_splits: int = 1,
+                     sinks: torch.Tensor | None = None) -> None:
     """q/out: [T, num_heads, head_dim]; k_buf/v_buf: [slots, num_kv_heads, head_dim] (FP8 buffers store
     value / scale, dequantized in registers); lens per request; `tree_mask` / `tree_starts` as in
     ForwardBatch (None: causal among the new tokens). `num_splits` > 1 splits each block's keys across
     that many programs (for few new tokens over a long prefix); it must not depend on lengths where a
-    CUDA graph captures the call."""
+    CUDA graph captures the call. `sinks`: float32 [num_heads] attention-sink logits (None: no sink)."""
     tree = tree_mask is not None
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k_buf.shape[1]
@@ -116,13 +120,14 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     _extend_kernel[grid](
         q, k_buf, v_buf, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts,
         tree_mask if tree else q_starts, tree_starts if tree else q_starts,  # unused without a tree
-        mid_o, mid_lse, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        mid_o, mid_lse, sinks if sinks is not None else mid_lse, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), sm_scale * k_scale, v_scale, sliding_window or 0, num_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None, UPCAST=upcast,
         # float32 stays float32 (TF32 would drift from the reference); half types use tensor cores.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TREE=tree, SPLIT=split,
+        HAS_SINKS=sinks is not None,
     )
     if split:
-        merge_splits(mid_o, mid_lse, out, num_splits)
+        merge_splits(mid_o, mid_lse, out, num_splits, sinks=sinks)

@@ -2,30 +2,21 @@
 (docs/design/deepseek-v4.md §2.1)."""
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
+from kestrel.layers.rotary import yarn_frequencies
 from kestrel.models.deepseek_v4.config import V4Config, YarnConfig
 
 
 def rope_frequencies(rope_dim: int, theta: float, yarn: YarnConfig | None) -> torch.Tensor:
     """float32 [rope_dim // 2]: theta^(-2k/r), blended towards /factor above the YaRN ramp. No mscale:
     V4 keeps cos/sin unscaled and the softmax scale at head_dim^-1/2."""
-    k = torch.arange(rope_dim // 2, dtype=torch.float64)
-    omega = theta ** (-2 * k / rope_dim)
     if yarn is None:
-        return omega.float()
-
-    def correction_dim(rotations: float) -> float:
-        return rope_dim * math.log(yarn.original_max_position_embeddings / (2 * math.pi * rotations)) / (
-            2 * math.log(theta))
-
-    lo = max(math.floor(correction_dim(yarn.beta_fast)), 0)
-    hi = min(math.ceil(correction_dim(yarn.beta_slow)), rope_dim - 1)
-    ramp = ((k - lo) / max(hi - lo, 1e-3)).clamp(0, 1)
-    return (omega * (1 - ramp) + omega / yarn.factor * ramp).float()
+        k = torch.arange(rope_dim // 2, dtype=torch.float64)
+        return (theta ** (-2 * k / rope_dim)).float()
+    return yarn_frequencies(rope_dim, theta, yarn.factor, yarn.original_max_position_embeddings, yarn.beta_fast,
+                            yarn.beta_slow, truncate=True)
 
 
 class V4Rope(nn.Module):

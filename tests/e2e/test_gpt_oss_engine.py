@@ -1,0 +1,91 @@
+"""gpt-oss through the engine: greedy tokens against transformers on every backend that serves sinks
+(torch_native, Triton under the interpreter, sdpa), chunked prefill and radix hits, the backend rule,
+and the real configs resolving with --load-format dummy."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kestrel import Engine, SamplingParams
+from kestrel.attention import registry
+from kestrel.config import EngineConfig
+from kestrel.config_resolve import resolve_config
+from kestrel.models.gpt_oss.config import parse_gpt_oss_config
+from kestrel.models.loader import read_config
+from tests.e2e.conftest import assert_pool_full
+from tests.model.gpt_oss_tiny import WINDOW, make_gpt_oss
+
+CONFIGS = Path(__file__).parents[2] / "kestrel/assets/configs"
+NEW_TOKENS = 2 * WINDOW + 2  # decode crosses several window boundaries
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_gpt_oss(tmp_path_factory.mktemp("gpt_oss_engine"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompts_and_expected(tiny: Path):
+    hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (4, 13)]
+    prompts.append(prompts[1][:9] + [7, 8])  # shares a prefix with the second: a radix hit
+    expected = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                          pad_token_id=0)
+        expected.append(out[0, len(p):].tolist())
+    return prompts, expected
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "sdpa"])
+def test_greedy_matches_transformers(tiny, prompts_and_expected, backend):
+    prompts, expected = prompts_and_expected
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    with Engine(model=str(tiny), device="cpu", dtype="float32", attention_backend=backend, chunked_prefill_size=8,
+                page_size=1) as engine:
+        cold = engine.generate(prompt_token_ids=prompts[:2], sampling_params=params)
+        warm = engine.generate(prompt_token_ids=prompts[1:], sampling_params=params)  # the second: a radix hit
+        assert [o.token_ids for o in cold] == expected[:2]
+        assert [o.token_ids for o in warm] == expected[1:]
+        assert warm[0].meta["cached_tokens"] > 0 and warm[1].meta["cached_tokens"] > 0
+        assert_pool_full(engine)
+
+
+def test_triton_greedy_matches_transformers(tiny, prompts_and_expected):
+    """The Triton extend (chunked, split over keys) and decode kernels with sinks and windows, under the
+    interpreter: fewer steps, each costs seconds there."""
+    pytest.importorskip("triton")
+    prompts, expected = prompts_and_expected
+    steps = WINDOW + 2
+    params = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
+    with Engine(model=str(tiny), device="cpu", dtype="float32", attention_backend="triton", chunked_prefill_size=8,
+                page_size=1) as engine:
+        outs = engine.generate(prompt_token_ids=prompts[:2], sampling_params=params)
+        assert [o.token_ids for o in outs] == [e[:steps] for e in expected[:2]]
+
+
+def test_backend_without_sinks_is_refused(tiny, monkeypatch):
+    entry = registry.REGISTRY["torch_native"]
+    monkeypatch.setitem(registry.REGISTRY, "no_sinks", dataclasses.replace(entry, attention_sinks=False))
+    with pytest.raises(ValueError, match="'no_sinks'.*cannot serve attention sinks.*torch_native"):
+        resolve_config(EngineConfig.from_flat(model=str(tiny), device="cpu", decode_attention_backend="no_sinks"))
+
+
+@pytest.mark.parametrize("name, layers, experts", [("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128)])
+def test_real_configs_resolve_for_dummy_loading(name, layers, experts):
+    """The config-only folders parse to the published shapes and resolve as a dummy-format launch (the
+    MXFP4 quantization_config included), without building the model."""
+    folder = CONFIGS / name
+    cfg = parse_gpt_oss_config(read_config(folder))
+    assert (cfg.num_hidden_layers, cfg.moe.num_experts, cfg.moe.router.top_k) == (layers, experts, 4)
+    assert cfg.sliding_windows[:2] == (128, None) and cfg.mxfp4 and cfg.rope.rope_type == "yarn"
+    assert cfg.num_attention_heads * cfg.head_dim == 4096 != cfg.hidden_size
+    resolved = resolve_config(EngineConfig.from_flat(model=str(folder), device="cpu", load_format="dummy",
+                                                       max_total_tokens=256))
+    assert resolved.model.quantization is None
