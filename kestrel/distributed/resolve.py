@@ -27,8 +27,7 @@ def check_parallel(par: ParallelConfig, hf: dict[str, Any], device: str, specula
         raise ValueError("with nnodes > 1, dist_init_addr (host:port of node 0, reachable from every node) is "
                          "required")
     dsv4 = needs_dsv4_attention(hf.get("architectures") or [])
-    moe = model_class(hf.get("architectures") or []).has_routed_experts
-    if ep > 1 and not moe:
+    if ep > 1 and not model_class(hf.get("architectures") or []).has_routed_experts:
         raise ValueError(f"ep_size {ep} splits the routed experts of a MoE model; this model has none")
     if tp == 1:
         return
@@ -58,5 +57,6 @@ def check_parallel(par: ParallelConfig, hf: dict[str, Any], device: str, specula
     if kv_heads % tp and tp % kv_heads:
         raise ValueError(f"tp_size {tp} and the model's num_key_value_heads ({kv_heads}) must divide one "
                          "another (fewer KV heads than ranks are replicated)")
-    if inter % tp and not moe:  # a MoE layer checks its own widths as it is built
+    # a MoE layer checks its own widths as it is built
+    if inter % tp and not model_class(hf.get("architectures") or []).has_routed_experts:
         raise ValueError(f"tp_size {tp} must divide the model's intermediate_size ({inter})")
