@@ -33,7 +33,8 @@ from kestrel.layers.rotary import RotaryEmbedding
 from kestrel.models.arch_config import ArchConfig, parse_arch_config
 from kestrel.models.base import CausalLM, StackedParams, fill_random
 from kestrel.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-from kestrel.models.loader import _default_dtype, checkpoint_names, checkpoint_tensor, copy_checkpoint, read_config
+from kestrel.hf_config import read_hf_config
+from kestrel.models.loader import _default_dtype, checkpoint_names, checkpoint_tensor, copy_checkpoint
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 _EAGLE3_MARKERS = ("midlayer.", "d2t", "layers.0.hidden_norm.")  # tensors only an EAGLE-3 head has
@@ -197,7 +198,7 @@ class Eagle3Head(DraftHead):
 def detect_eagle_variant(path: str | Path) -> str:
     """"EAGLE" or "EAGLE3", from the config's architectures and (when weights are present) the tensor
     names. Raises ValueError for a folder that holds neither kind of head."""
-    config = read_config(path)
+    config = read_hf_config(path)
     names = checkpoint_names(path) if _has_weights(Path(path)) else []
     if EAGLE3_ARCHITECTURE in (config.get("architectures") or []) or any(
             n.startswith(_EAGLE3_MARKERS) for n in names):
@@ -215,7 +216,7 @@ def check_eagle_head(path: str | Path, algorithm: str, target_hf: dict[str, Any]
     if variant != algorithm:
         raise ValueError(f"the draft at {path} is an {'EAGLE-3' if variant == 'EAGLE3' else 'EAGLE'} head but "
                          f"speculative_algorithm is {algorithm}; use --speculative-algorithm {variant}")
-    config = read_config(path)
+    config = read_hf_config(path)
     target_hidden = target_hf.get("hidden_size")
     # The head embeds with the target's embedding, so its width is the target's (EAGLE-3's fc input too).
     for key in ("hidden_size", "target_hidden_size"):
@@ -246,7 +247,7 @@ def load_eagle_head(path: str | Path, algorithm: str, target: TargetParts, num_t
     variant = detect_eagle_variant(path)
     if variant != algorithm:
         raise ValueError(f"the checkpoint at {path} is a {variant} head, asked to load it as {algorithm}")
-    config = read_config(path)
+    config = read_hf_config(path)
     cfg = parse_arch_config(config)
     names = set(checkpoint_names(path)) if load_format != "dummy" else set()
     with torch.device(device), _default_dtype(dtype):

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kestrel.hf_config import read_json_config
+from kestrel.hf_config import read_hf_config
 from kestrel.distributed.parallel_state import ParallelState
 from kestrel.layers.kernels import Kernels
 from kestrel.layers.linear import Slice
@@ -27,19 +27,10 @@ _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
 TensorRead = Callable[[Slice | None], torch.Tensor]
 
 
-def read_config(model_path: str | Path) -> dict:
-    if (gguf := gguf_file(model_path)) is not None:
-        return read_gguf_config(gguf)
-    path = Path(model_path) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found; model_path must be a HF model directory")
-    return read_json_config(path)
-
-
 def read_arch_config(model_path: str | Path):
     """The model's architecture config (its class's `parse_config`: an ArchConfig for the Llama family,
     a V4Config for DeepSeek-V4), without building the model."""
-    config = read_config(model_path)
+    config = read_hf_config(str(model_path))
     return model_class(config.get("architectures") or []).parse_config(config)
 
 
@@ -63,7 +54,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
     """
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
-    config = hf_config if hf_config is not None else read_config(model_path)
+    config = hf_config if hf_config is not None else read_hf_config(str(model_path))
     cls = model_class(config.get("architectures") or [])
     cfg = cls.parse_config(config)
     with torch.device(device), _default_dtype(dtype):

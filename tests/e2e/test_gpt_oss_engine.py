@@ -15,7 +15,7 @@ from kestrel.attention import registry
 from kestrel.config import EngineConfig
 from kestrel.config_resolve import resolve_config
 from kestrel.models.gpt_oss.config import parse_gpt_oss_config
-from kestrel.models.loader import read_config
+from kestrel.hf_config import read_hf_config
 from tests.e2e.conftest import assert_pool_full
 from tests.model.gpt_oss_tiny import WINDOW, make_gpt_oss
 
@@ -82,7 +82,7 @@ def test_real_configs_resolve_for_dummy_loading(name, layers, experts):
     """The config-only folders parse to the published shapes and resolve as a dummy-format launch (the
     MXFP4 quantization_config included), without building the model."""
     folder = CONFIGS / name
-    cfg = parse_gpt_oss_config(read_config(folder))
+    cfg = parse_gpt_oss_config(read_hf_config(str(folder)))
     assert (cfg.num_hidden_layers, cfg.moe.num_experts, cfg.moe.router.top_k) == (layers, experts, 4)
     assert cfg.sliding_windows[:2] == (128, None) and cfg.mxfp4 and cfg.rope.rope_type == "yarn"
     assert cfg.num_attention_heads * cfg.head_dim == 4096 != cfg.hidden_size

@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kestrel.distributed.parallel_state import ParallelState
+from kestrel.hf_config import read_hf_config
 from kestrel.models import loader
-from kestrel.models.loader import load_model, read_config
+from kestrel.models.loader import load_model
 from kestrel.models.registry import model_class
 from kestrel.quant.fp8 import dequantize_blocks, quantize_blocks
 from tests.tiny_models import make_tiny_model
@@ -107,7 +108,7 @@ def test_unknown_expert_tensors_and_quantisation_are_refused_naming_them(qwen3_m
 @pytest.mark.parametrize("folder, billions, expert_shape", [
     ("qwen3-30b-a3b", 30.5, (128, 2 * 768, 2048)), ("mixtral-8x7b", 46.7, (8, 2 * 14336, 4096))])
 def test_config_only_folders_build_their_real_shapes_on_the_meta_device(folder, billions, expert_shape):
-    config = read_config(CONFIGS / folder)
+    config = read_hf_config(str(CONFIGS / folder))
     cls = model_class(config["architectures"])
     with torch.device("meta"):
         model = cls(cls.parse_config(config))
