@@ -64,6 +64,20 @@ def test_qwen3_moe_tp2_and_ep2_tokens_equal_tp1(tiny_model, ep_size):
     assert run(model, prompts, params, tp_size=2, ep_size=ep_size, **options) == one
 
 
+@pytest.mark.parametrize("ep_size", [1, 2], ids=["experts-width-split", "experts-split"])
+def test_gpt_oss_tp2_and_ep2_tokens_equal_tp1(tmp_path, ep_size):
+    """gpt-oss at --tp-size 2: sinks, q/k/v/o biases and the router split or replicated per rank, expert
+    biases added once, window and full layers alternating, decode past the window."""
+    from tests.model.gpt_oss_tiny import WINDOW, make_gpt_oss
+
+    model = str(make_gpt_oss(tmp_path / "gpt_oss", seed=5))
+    prompts = prompts_with_shared_prefixes(3, vocab=96, seed=8)
+    params = [SamplingParams(max_new_tokens=2 * WINDOW, temperature=0.0, ignore_eos=True)] * 2 + [SAMPLED]
+    options = dict(chunked_prefill_size=16)
+    one = run(model, prompts, params, **options)
+    assert run(model, prompts, params, tp_size=2, ep_size=ep_size, **options) == one
+
+
 def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(tiny_model):
     import os
     import signal

@@ -8,7 +8,6 @@ tensors map one to one; `loading.py` fills the rest (q|k|v merged, sinks, the ex
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +25,7 @@ from kestrel.layers.rotary import RotaryEmbedding
 from kestrel.layers.vocab_parallel import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_logits
 from kestrel.models.base import CausalLM
 from kestrel.models.gpt_oss.config import GptOssConfig, parse_gpt_oss_config
-from kestrel.models.gpt_oss.loading import GPT_OSS_EXPERTS, load_gpt_oss
+from kestrel.models.gpt_oss.loading import GPT_OSS_EXPERTS, RENAMES, STACKED_PARAMS
 
 
 class GptOssAttention(nn.Module):
@@ -96,12 +95,13 @@ class GptOssModel(nn.Module):
 
 class GptOssForCausalLM(CausalLM):
     """forward: input_ids [T], positions [T] -> final-normed hidden [T, hidden]; compute_logits: hidden
-    [N, hidden] -> float32 logits [N, vocab]. Reads its checkpoint itself (`loading.py`): float or MXFP4
-    experts, transformers' names."""
+    [N, hidden] -> float32 logits [N, vocab]. Loaded by name in transformers' naming (`loading.py`), its
+    experts float or MXFP4."""
 
     parse_config = staticmethod(parse_gpt_oss_config)
-    loads_own_checkpoint = True
+    stacked_params = STACKED_PARAMS
     checkpoint_quantizations = ("mxfp4",)
+    has_routed_experts = True
 
     def __init__(self, cfg: GptOssConfig, kernels: Kernels = Kernels(), parallel: ParallelState = ParallelState()) -> None:
         super().__init__(cfg, parallel)
@@ -130,5 +130,7 @@ class GptOssForCausalLM(CausalLM):
             return vocab_parallel_logits(hidden, weight, self.config.vocab_size, self.parallel)
         return F.linear(hidden, weight).float()
 
-    def load_checkpoint(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
-        load_gpt_oss(self, tensors, source)
+    def checkpoint_name(self, name: str) -> str:
+        for old, new in RENAMES:
+            name = name.replace(old, new)
+        return name
