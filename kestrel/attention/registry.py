@@ -100,7 +100,7 @@ def _triton_unavailable(config: "EngineConfig") -> str | None:
     return None
 
 
-# MLA form (a latent layout): absorbed split-K decode, extend through the MHA extend kernel (§7).
+# MLA form (a latent layout): absorbed split-K decode, extend through the MHA extend kernel (docs/design/attention-backends.md §7).
 @register("triton", unavailable=_triton_unavailable, triton_kernels=True, library=("triton", "3.1"), cuda_graph=True,
           piecewise_cuda_graph=True, attention_sinks=True, attention_kinds=MHA_AND_MLA)
 def _triton(pools, req_to_token, config):
