@@ -107,10 +107,17 @@ def test_engine_builds_hybrid_only_for_different_halves_and_stamps_everything(ti
 
 
 def test_every_factory_stamps_a_canonical_name(tiny_model):
+    """Each form too: a backend serving MLA builds its MLA form over a latent layout, stamped alike."""
+    from kestrel.cache.kv_layout import KVLayout
+    from kestrel.cache.kv_memory import KVPools
+
     cfg = config(tiny_model("llama"))
-    for name in registry.REGISTRY:
-        effective, backend = registry.REGISTRY[name].factory(None, None, cfg)
-        assert effective == backend.name and effective in registry.REGISTRY and effective not in registry.ALIASES
+    per_head = KVPools(KVLayout.full_attention(1, 1, 8, torch.float32), 8, 2, "cpu")
+    latent = KVPools(KVLayout.latent_attention(1, 16, 8, torch.float32), 8, 2, "cpu")
+    for name, entry in registry.REGISTRY.items():
+        for pools in [per_head] + ([latent] if "mla" in entry.attention_kinds else []):
+            effective, backend = entry.factory(pools, None, cfg)
+            assert effective == backend.name and effective in registry.REGISTRY and effective not in registry.ALIASES
 
 
 def test_draft_resolution_uses_override_for_both_halves(tiny_model):
