@@ -73,7 +73,8 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
         return model.eval()
 
     def skip(name: str) -> bool:
-        return name.endswith(_HARMLESS_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight")
+        return name.endswith(_HARMLESS_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight") \
+            or model.skips_checkpoint_tensor(name)
 
     # A format the family's expert loaders dequantise (gpt-oss's MXFP4) leaves the linears in float.
     method = (config.get("quantization_config") or {}).get("quant_method")
