@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from kestrel.attention.decisions import DECISIONS, cuda_graph_backends
 from kestrel.attention.hybrid import serving_half
-from kestrel.attention.registry import ALIASES, default_backend, resolve_sources
+from kestrel.attention.registry import ATTENTION_KINDS, ALIASES, default_backend, model_attention_kind, resolve_sources
 from kestrel.core.forward_mode import ForwardMode
 from kestrel.engine.feature_rules import explain_rules
 
@@ -18,8 +18,9 @@ def explain_plan(config: "EngineConfig") -> str:
     """`config` must be resolved. Loads no weights."""
     prefill, decode = resolve_sources(config)
     spec_mode = config.speculative.speculative_attention_mode
-    lines = [f"model: {config.model.model}  device: {config.device}  dtype: {config.model.dtype}", "",
-             "attention halves:"]
+    kind = model_attention_kind(config)
+    lines = [f"model: {config.model.model}  device: {config.device}  dtype: {config.model.dtype}",
+             f"attention kind: {kind} ({ATTENTION_KINDS[kind]})", "", "attention halves:"]
     for half, src in (("prefill", prefill), ("decode", decode)):
         if src.field == "default":
             why = f"default for device {config.device} (no field set)"

@@ -48,7 +48,10 @@ class BackendEntry:
     # the batch stays valid across the segments. Only the backend measured that way says so.
     piecewise_cuda_graph: bool = False
     serves: frozenset[str] = field(default_factory=lambda: frozenset({"prefill", "decode"}))
-    dsv4: bool = False  # serves DeepSeek-V4's window + compressed sparse attention, and only that
+    # The models' attention kinds it serves (`ATTENTION_KINDS`); a model runs only on a backend that
+    # serves its kind. A backend serving several builds the form its KV pools call for (the factory
+    # reads `pools.layout`), under one stamp.
+    attention_kinds: frozenset[str] = frozenset({"mha"})
     # Serves layers with attention sinks (a per-head logit in the softmax denominator: gpt-oss) and
     # per-layer sliding windows; a model with sinks runs only on such a backend.
     attention_sinks: bool = False
@@ -59,6 +62,14 @@ class BackendEntry:
 
 REGISTRY: dict[str, BackendEntry] = {}
 
+# A model's attention, by what its layers hand the backend and what its KV pools hold:
+ATTENTION_KINDS = {
+    "mha": "per-head K/V (multi-head, grouped-query and multi-query attention)",
+    "mla": "Multi-head Latent Attention (one compressed latent per token, DeepSeek-V3)",
+    "dsv4": "DeepSeek-V4's window + compressed sparse attention",
+}
+MHA_AND_MLA = frozenset({"mha", "mla"})
+
 
 def register(name: str, **entry_fields):
     def wrap(factory):
@@ -68,8 +79,12 @@ def register(name: str, **entry_fields):
 
 
 # ---- backends ------------------------------------------------------------------------------------
-@register("torch_native", unavailable=lambda config: None, attention_sinks=True)
+@register("torch_native", unavailable=lambda config: None, attention_sinks=True, attention_kinds=MHA_AND_MLA)
 def _torch_native(pools, req_to_token, config):
+    if pools.layout.latent:
+        from kestrel.attention.mla.torch_native import TorchNativeMLABackend
+
+        return "torch_native", TorchNativeMLABackend(pools, req_to_token, name="torch_native")
     from kestrel.attention.torch_native import TorchNativeBackend
 
     return "torch_native", TorchNativeBackend(pools, req_to_token, name="torch_native")
@@ -119,7 +134,8 @@ def _sdpa(pools, req_to_token, config):
 # Chunked prefill works (a step resumes from the per-request state); radix reuse does not, which the
 # model's KV layout says (`prefix_cache_unsupported`). CUDA graphs: DECODE steps only (a plan with static
 # sizes, `StepPlan.decode`); every other mode builds its plan from the host lengths and runs eagerly.
-@register("dsv4", unavailable=lambda config: None, dsv4=True, cuda_graph=True, cuda_graph_spec=False)
+@register("dsv4", unavailable=lambda config: None, attention_kinds=frozenset({"dsv4"}), cuda_graph=True,
+          cuda_graph_spec=False)
 def _dsv4(pools, req_to_token, config):
     from kestrel.attention.dsv4 import DSV4Backend
 
@@ -151,28 +167,47 @@ def _model_needs_sinks(config: "EngineConfig") -> bool:
     return needs_attention_sinks(config.model.hf_config.get("architectures") or [])
 
 
-def _model_needs_dsv4(config: "EngineConfig") -> bool:
-    """From the config.json that resolution read (`config` is resolved, or being resolved)."""
-    from kestrel.models.registry import needs_dsv4_attention
+def model_attention_kind(config: "EngineConfig") -> str:
+    """The target's `ATTENTION_KINDS` entry, from the config.json that resolution read (`config` is
+    resolved, or being resolved)."""
+    from kestrel.models.registry import attention_kind
 
-    return needs_dsv4_attention(config.model.hf_config.get("architectures") or [])
+    return attention_kind(config.model.hf_config.get("architectures") or [])
+
+
+def draft_attention_kind(config: "EngineConfig") -> str:
+    """The draft model's kind: a NEXTN draft is the target's own MTP layer, so the target's; an EAGLE
+    head is Llama-shaped; a STANDALONE draft is whatever its own config.json says."""
+    algorithm = config.speculative.speculative_algorithm
+    if algorithm == "NEXTN":
+        return model_attention_kind(config)
+    if algorithm == "STANDALONE":
+        from kestrel.hf_config import read_hf_config
+        from kestrel.models.registry import attention_kind
+
+        draft_hf = read_hf_config(config.speculative.speculative_draft_model_path)
+        return attention_kind(draft_hf.get("architectures") or [])
+    return "mha"
 
 
 def default_backend(config: "EngineConfig", phase: str) -> str:
-    """dsv4 for DeepSeek-V4; else on CUDA with Triton installed, Triton (the prefill half:
-    `CUDA_AUTO_PREFILL_BACKEND`); the portable reference everywhere else."""
-    if _model_needs_dsv4(config):
+    """dsv4 for DeepSeek-V4; else on CUDA with Triton installed, Triton where it serves the model's
+    attention kind (the prefill half: `CUDA_AUTO_PREFILL_BACKEND`); the portable reference everywhere else."""
+    kind = model_attention_kind(config)
+    if kind == "dsv4":
         return "dsv4"
     if config.device != "cpu" and REGISTRY["triton"].unavailable(config) is None:
-        return CUDA_AUTO_PREFILL_BACKEND if phase == "prefill" else "triton"
+        name = CUDA_AUTO_PREFILL_BACKEND if phase == "prefill" else "triton"
+        if kind in REGISTRY[name].attention_kinds:
+            return name
     return "torch_native"
 
 
 def resolve_sources(config: "EngineConfig") -> tuple[HalfSource, HalfSource]:
-    """Each half = its own field, else the base, else the default for this device and model.
-    A DeepSeek-V4 model needs a V4-capable backend for both halves, and other models a non-V4 one."""
+    """Each half = its own field, else the base, else the default for this device and model. Each
+    half's backend must serve the model's attention kind (`ATTENTION_KINDS`)."""
     a = config.attention
-    v4_model = _model_needs_dsv4(config)
+    kind = model_attention_kind(config)
     halves = []
     for phase, own_field in (("prefill", "prefill_attention_backend"), ("decode", "decode_attention_backend")):
         own = getattr(a, own_field)
@@ -189,24 +224,25 @@ def resolve_sources(config: "EngineConfig") -> tuple[HalfSource, HalfSource]:
             raise ValueError(f"attention backend {name!r} (from {source}) cannot run here: {reason}")
         if phase not in entry.serves:
             raise ValueError(f"attention backend {name!r} (from {source}) cannot serve {phase}")
-        _check_model_fit(name, source, v4_model, _model_needs_sinks(config))
+        _check_model_fit(name, source, kind, _model_needs_sinks(config))
         halves.append(HalfSource(name, source, given))
     return halves[0], halves[1]
 
 
-def _check_model_fit(name: str, source: str, v4_model: bool, sinks_model: bool) -> None:
-    """Each half's backend must match the model's attention kind: DeepSeek-V4's sparse attention on a
-    V4 backend only, and a model with attention sinks and per-layer windows (gpt-oss) on a backend that
-    serves them."""
-    if REGISTRY[name].dsv4 == v4_model:
-        if sinks_model and not v4_model and not REGISTRY[name].attention_sinks:
-            fitting = ", ".join(sorted(n for n, e in REGISTRY.items() if e.attention_sinks and not e.dsv4))
-            raise ValueError(f"attention backend {name!r} (from {source}) cannot serve attention sinks, which this "
-                             f"model's layers have; use one of: {fitting}")
-        return
-    fitting = ", ".join(sorted(n for n, e in REGISTRY.items() if e.dsv4 == v4_model))
-    what = "cannot run DeepSeek-V4's sparse attention" if v4_model else "serves only DeepSeek-V4 models"
-    raise ValueError(f"attention backend {name!r} (from {source}) {what}; use one of: {fitting}")
+def _check_model_fit(name: str, source: str, kind: str, sinks_model: bool) -> None:
+    """Each half's backend must serve the model's attention kind (DeepSeek-V4's sparse attention on a
+    V4 backend only, MLA on an MLA-capable one, per-head K/V on one that serves it), and a model with
+    attention sinks and per-layer windows (gpt-oss) must run on a backend that serves them."""
+    entry = REGISTRY[name]
+    if kind not in entry.attention_kinds:
+        fitting = ", ".join(sorted(n for n, e in REGISTRY.items() if kind in e.attention_kinds))
+        served = "; ".join(ATTENTION_KINDS[k] for k in sorted(entry.attention_kinds))
+        raise ValueError(f"attention backend {name!r} (from {source}) cannot serve this model's attention, "
+                         f"{ATTENTION_KINDS[kind]}: it serves {served}; use one of: {fitting}")
+    if sinks_model and not entry.attention_sinks:
+        fitting = ", ".join(sorted(n for n, e in REGISTRY.items() if e.attention_sinks and kind in e.attention_kinds))
+        raise ValueError(f"attention backend {name!r} (from {source}) cannot serve attention sinks, which this "
+                         f"model's layers have; use one of: {fitting}")
 
 
 def attention_backends(config: "EngineConfig") -> BackendPair:
@@ -224,7 +260,7 @@ def draft_attention_backends(config: "EngineConfig") -> BackendPair:
     reason = REGISTRY[name].unavailable(config)
     if reason is not None:
         raise ValueError(f"draft attention backend {name!r} cannot run here: {reason}")
-    _check_model_fit(name, "speculative_draft_attention_backend", _model_needs_dsv4(config),
+    _check_model_fit(name, "speculative_draft_attention_backend", draft_attention_kind(config),
                      _model_needs_sinks(config))
     return BackendPair(prefill=name, decode=name)
 

@@ -40,7 +40,7 @@ class TorchNativeBackend:
             qi = q[start:start + extend].transpose(0, 1)
             ki = from_pool(kv.k[slots], q.dtype, kv.k_scale).transpose(0, 1).repeat_interleave(group, dim=0)
             vi = from_pool(kv.v[slots], q.dtype, kv.v_scale).transpose(0, 1).repeat_interleave(group, dim=0)
-            mask = _mask(prefix, extend, seq, layer.sliding_window, q.device)
+            mask = causal_mask(prefix, extend, seq, layer.sliding_window, q.device)
             if batch.tree_mask is not None:
                 tree = batch.tree_mask[batch.tree_mask_starts[i]:][:extend * extend].view(extend, extend)
                 mask = torch.cat([torch.ones(extend, prefix, dtype=torch.bool, device=q.device), tree], dim=1)
@@ -101,7 +101,7 @@ def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, layer: AttentionLaye
     kv.v[slots] = to_pool(v.view(-1, layer.num_kv_heads, layer.head_dim), kv.v.dtype, kv.v_scale)
 
 
-def _mask(prefix: int, extend: int, seq: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+def causal_mask(prefix: int, extend: int, seq: int, window: int | None, device: torch.device) -> torch.Tensor | None:
     """Boolean [extend, seq]: query at position prefix+j sees keys at positions <= prefix+j (within the window)."""
     if extend == 1 and (window is None or window >= seq):
         return None

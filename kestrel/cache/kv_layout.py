@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from kestrel.quant.kv_entries import KVEntryCodec
 
 
+LATENT_GROUP = "latent"  # the group of a `KVLayout.latent_attention`
+
+
 class Indexing(enum.Enum):
     TOKEN = "token"
     BLOCK = "block"
@@ -99,6 +102,22 @@ class KVLayout:
         entry = (num_kv_heads, head_dim)
         return cls((KVGroup("full", tuple(range(num_layers)), Indexing.TOKEN,
                             (KVBuffer("k", entry, dtype), KVBuffer("v", entry, dtype))),))
+
+    @classmethod
+    def latent_attention(cls, num_layers: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> "KVLayout":
+        """Multi-head Latent Attention (DeepSeek-V3): one entry per token of every layer, shared by all
+        heads, holding the compressed latent (`kv_lora_rank` values, after the KV norm) followed by the
+        rotated rope key (`rope_dim` values): `layer.latent` [slots, kv_lora_rank + rope_dim]. A
+        tensor-parallel rank keeps every entry whole (its heads all read the same latent). `dtype` is the
+        pool's, as for `full_attention`."""
+        entry = (kv_lora_rank + rope_dim,)
+        return cls((KVGroup(LATENT_GROUP, tuple(range(num_layers)), Indexing.TOKEN,
+                            (KVBuffer("latent", entry, dtype),)),))
+
+    @property
+    def latent(self) -> bool:
+        """Whether this layout holds MLA latents (`latent_attention`): only an MLA backend reads it."""
+        return any(g.name == LATENT_GROUP for g in self.groups)
 
     @property
     def page_multiple(self) -> int:

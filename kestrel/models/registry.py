@@ -45,6 +45,19 @@ def needs_dsv4_attention(architectures: list[str]) -> bool:
     return "DeepseekV4ForCausalLM" in architectures
 
 
+def needs_mla_attention(architectures: list[str]) -> bool:
+    """DeepSeek-V3's Multi-head Latent Attention (also R1, V3.1 and Kimi-K2, which share its class):
+    its layers hand the backend queries and compressed latents, which only an MLA backend serves."""
+    return "DeepseekV3ForCausalLM" in architectures
+
+
+def attention_kind(architectures: list[str]) -> str:
+    """The attention registry's kind of this model's attention: "dsv4", "mla" or "mha"."""
+    if needs_dsv4_attention(architectures):
+        return "dsv4"
+    return "mla" if needs_mla_attention(architectures) else "mha"
+
+
 def needs_attention_sinks(architectures: list[str]) -> bool:
     """gpt-oss's layers have attention sinks (and alternate sliding-window and full attention): only a
     backend that serves both runs it (the attention registry's `attention_sinks`)."""

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
+from kestrel.attention.mla.base import LatentAttentionBackend
+
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
 
@@ -36,10 +38,14 @@ def hf_logits(path: Path, tokens: list[int]) -> torch.Tensor:
         return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
 
 
-class DenseMLA:
+class DenseMLA(LatentAttentionBackend):
     """One causal sequence, no KV cache: keys and values expanded from the latent per head."""
 
-    def forward_mla(self, q_nope, q_rope, latent, k_rope, w_uk, w_uv, layer, batch):
+    def __init__(self) -> None:
+        self.name = "dense_reference"
+
+    def forward_mla(self, q_nope, q_rope, latent, k_rope, layer, batch):
+        w_uk, w_uv = layer.w_uk, layer.w_uv
         heads = q_nope.shape[1]
         k = torch.cat([torch.einsum("tr,hnr->htn", latent, w_uk), k_rope[None].expand(heads, -1, -1)], dim=-1)
         v = torch.einsum("tr,hvr->htv", latent, w_uv)

@@ -33,12 +33,12 @@ def test_neox_rope_and_default_rope_match_transformers(tmp_path):
 
 
 def test_block_fp8_checkpoint_is_close_to_its_dequantized_twin(tmp_path):
-    """Linears (kv_b_proj too: the MLA layer reads it dequantised) and experts stored as e4m3 with 128 x
-    128 scales; only the FP8 linears' activation rounding separates the two."""
+    """Linears and experts stored as e4m3 with 128 x 128 scales (kv_b_proj kept float here); only the
+    FP8 linears' activation rounding separates the two."""
     src = make_dsv3(tmp_path / "float", hidden_size=128, moe_intermediate_size=128, intermediate_size=128)
     fp8, twin = {}, {}
     for name, t in load_file(str(src / "model.safetensors")).items():
-        if t.dim() == 2 and ".layers." in name and "norm" not in name and not name.endswith("mlp.gate.weight"):
+        if t.dim() == 2 and ".layers." in name and "norm" not in name and not name.endswith(("mlp.gate.weight", "kv_b_proj.weight")):
             q, scale_inv = quantize_like_qwen3_fp8(t)
             fp8[name], fp8[name.removesuffix("weight") + "weight_scale_inv"] = q, scale_inv
             full = scale_inv.repeat_interleave(128, 0)[:t.shape[0]].repeat_interleave(128, 1)[:, :t.shape[1]]
@@ -52,7 +52,7 @@ def test_block_fp8_checkpoint_is_close_to_its_dequantized_twin(tmp_path):
         (tmp_path / name / "config.json").write_text(json.dumps({**config, "quantization_config": qc} if qc else config))
         save_file(tensors, str(tmp_path / name / "model.safetensors"))
     quantized = load_model(tmp_path / "fp8", torch.float32, "cpu")
-    assert isinstance(quantized.model.layers[1].self_attn.kv_b_proj, Fp8Linear)
+    assert isinstance(quantized.model.layers[1].self_attn.kv_a_proj_with_mqa, Fp8Linear)
     a, b = dense_logits(quantized, TOKENS), dense_logits(load_model(tmp_path / "twin", torch.float32, "cpu"), TOKENS)
     assert 0 < ((a - b).pow(2).mean().sqrt() / b.std()).item() < 0.13
 
@@ -65,7 +65,7 @@ def test_mtp_tensors_are_skipped_and_a_mismatched_checkpoint_is_refused_naming_t
     load_model(path, torch.float32, "cpu")
     bad = tmp_path / "bad"
     shutil.copytree(path, bad)
-    tensors["model.layers.1.self_attn.kv_b_proj.weight"] = torch.zeros(4 * 24, 8)
+    tensors["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"] = torch.zeros(24, 8)
     save_file(tensors, str(bad / "model.safetensors"))
-    with pytest.raises(ValueError, match="model.layers.1.self_attn.kv_b_proj.weight"):
+    with pytest.raises(ValueError, match="model.layers.1.self_attn.kv_a_proj_with_mqa.weight"):
         load_model(bad, torch.float32, "cpu")

@@ -3,17 +3,21 @@ and child, refusals at start-up, and `kestrel explain`."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from kestrel.attention import registry
 from kestrel.attention.torch_native import TorchNativeBackend
+from kestrel.cache.kv_layout import KVLayout
 from kestrel.cli import main
 from kestrel.config import EngineConfig
 from kestrel.config_resolve import resolve_config
 from kestrel.speculative.draft_backends import create_draft_backends, draft_backend_plan
 
-POOLS, REQ_TO_TOKEN = object(), object()  # opaque: the factory hands them to the backends untouched
+# Opaque but for the layout, which the factories read (its form: MHA here); handed to the backends untouched.
+POOLS, REQ_TO_TOKEN = SimpleNamespace(layout=KVLayout.full_attention(1, 1, 8, torch.float32)), object()
 
 
 @pytest.fixture
@@ -152,6 +156,6 @@ def test_nextn_on_deepseek_v4_drafts_on_dsv4_and_refuses_other_backends(v4, caps
     assert "draft decode   dsv4           x2 (one per draft step), the target's decode half" in out
     assert "draft extend   dsv4           the target's prefill half" in out
     with pytest.raises(ValueError, match="attention backend 'torch_native' .from speculative_draft_attention_backend. "
-                                         "cannot run DeepSeek-V4's sparse attention; use one of: dsv4"):
+                                         "cannot serve this model's attention, DeepSeek-V4's .*; use one of: dsv4$"):
         resolve_config(EngineConfig.from_flat(model=v4, device="cpu", speculative_algorithm="NEXTN",
                                               speculative_draft_attention_backend="torch_native"))

@@ -79,17 +79,17 @@ def test_bad_compress_ratio_is_a_clear_error() -> None:
 
 
 def test_v4_model_defaults_to_dsv4_and_rejects_other_backends() -> None:
-    assert REGISTRY["dsv4"].dsv4 and not REGISTRY["torch_native"].dsv4
+    assert REGISTRY["dsv4"].attention_kinds == {"dsv4"} and "dsv4" not in REGISTRY["torch_native"].attention_kinds
     resolved = resolve_config(EngineConfig.from_flat(model=str(SLICE), device="cpu"))
     assert (attention_backends(resolved).prefill, attention_backends(resolved).decode) == ("dsv4", "dsv4")
     for flags in ({"attention_backend": "torch_native"}, {"decode_attention_backend": "torch_native"},
                   {"prefill_attention_backend": "torch_native", "decode_attention_backend": "dsv4"}):
-        with pytest.raises(ValueError, match="cannot run DeepSeek-V4's sparse attention; use one of: dsv4"):
+        with pytest.raises(ValueError, match="cannot serve this model's attention, DeepSeek-V4's .*; use one of: dsv4$"):
             resolve_config(EngineConfig.from_flat(model=str(SLICE), device="cpu", **flags))
 
 
 def test_dsv4_backend_for_another_model_is_an_error() -> None:
-    with pytest.raises(ValueError, match="serves only DeepSeek-V4 models"):
+    with pytest.raises(ValueError, match="'dsv4' .* cannot serve this model's attention, per-head K/V .* it serves DeepSeek-V4's"):
         resolve_config(EngineConfig.from_flat(model="demo", device="cpu", decode_attention_backend="dsv4"))
 
 

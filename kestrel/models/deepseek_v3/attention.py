@@ -17,11 +17,10 @@ from torch import nn
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.distributed.parallel_state import ParallelState
 from kestrel.layers.linear import MergedLinear, Slice, row_parallel_linear
-from kestrel.layers.mla import MLAAttentionLayer
+from kestrel.layers.mla import MLAAttention
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import RotaryEmbedding
 from kestrel.models.deepseek_v3.config import V3Config
-from kestrel.quant.fp8 import dequantize_blocks
 
 
 def head_rows(all_heads: int, rows_per_head: int, parallel: ParallelState) -> list[Slice] | None:
@@ -66,20 +65,11 @@ class V3Attention(nn.Module):
         self.q_lora = cfg.q_lora_rank is not None
         self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = by_heads(cfg.kv_lora_rank, all_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, parallel)
         self.o_proj = row_parallel_linear(all_heads * cfg.v_head_dim, cfg.hidden_size, False, parallel)
         self.rotary_emb = rotary
-        self.attn = MLAAttentionLayer(layer_id, self.heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
-                                      cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.softmax_scale)
-
-    def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's heads' (W_UK [heads, nope, kv_lora_rank], W_UV [heads, v, kv_lora_rank]) from
-        kv_b_proj, dequantised when it holds an FP8 checkpoint's blocks."""
-        proj = self.kv_b_proj
-        scale = getattr(proj, "weight_scale_inv", None)
-        weight = proj.weight if scale is None else dequantize_blocks(proj.weight, scale)
-        w = weight.view(self.heads, self.nope + self.v_dim, self.kv_lora_rank)
-        return w[:, :self.nope], w[:, self.nope:]
+        # kv_b_proj (W_UK | W_UV per head) lives on the MLA layer: `self_attn.attn.kv_b_proj`.
+        self.attn = MLAAttention(layer_id, self.heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                                 cfg.kv_lora_rank, cfg.softmax_scale, first_head=parallel.tp_rank * self.heads)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))) if self.q_lora else self.q_proj(hidden)
@@ -91,6 +81,4 @@ class V3Attention(nn.Module):
             rope_in = deinterleave(rope_in)
         rotated = self.rotary_emb(positions, rope_in.flatten(1)).view(-1, self.heads + 1, self.rope_dim)
         q_rope, k_rope = rotated[:, :self.heads], rotated[:, self.heads]
-        w_uk, w_uv = (w.to(q.dtype) for w in self.up_projections())
-        out = self.attn(q_nope, q_rope, latent, k_rope, w_uk, w_uv, batch)
-        return self.o_proj(out)
+        return self.o_proj(self.attn(q_nope, q_rope, latent, k_rope, batch))

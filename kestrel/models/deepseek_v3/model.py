@@ -29,11 +29,11 @@ from kestrel.layers.vocab_parallel import VocabParallelEmbedding, VocabParallelH
 from kestrel.models.base import CausalLM
 from kestrel.models.deepseek_v3.attention import V3Attention
 from kestrel.models.deepseek_v3.config import V3Config, parse_v3_config
-from kestrel.models.deepseek_v3.kv_layout import v3_kv_layout
 
 RENAMES = ((r"\.mlp\.shared_experts\.gate_proj\.", ".mlp.shared_experts.w1."),
            (r"\.mlp\.shared_experts\.up_proj\.", ".mlp.shared_experts.w3."),
-           (r"\.mlp\.shared_experts\.down_proj\.", ".mlp.shared_experts.w2."))
+           (r"\.mlp\.shared_experts\.down_proj\.", ".mlp.shared_experts.w2."),
+           (r"\.self_attn\.kv_b_proj\.weight$", ".self_attn.attn.kv_b_proj"))
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -113,9 +113,9 @@ class DeepseekV3ForCausalLM(CausalLM):
         return self.model.embed_tokens
 
     def kv_layout(self, dtype: torch.dtype, speculative_tokens: int = 1) -> KVLayout:
-        """One latent + rope key per token of each main layer, the same on every tensor-parallel rank; a
-        NEXTN draft's pools hold the MTP layer's (`mtp_kv_layout`)."""
-        return v3_kv_layout(self.config, range(self.config.num_hidden_layers), dtype)
+        """One latent + rope key per token of each main layer, the same on every tensor-parallel rank;."""
+        cfg = self.config
+        return KVLayout.latent_attention(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
