@@ -26,6 +26,11 @@ class RopeConfig:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float | None = None
+    # DeepSeek's YaRN: with both set (and no attention_factor), cos/sin are scaled by
+    # yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim), and an MLA model's softmax
+    # scale by yarn_mscale(factor, mscale_all_dim) ** 2 (`yarn_softmax_scale`).
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
 
 def inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -62,13 +67,30 @@ def yarn_frequencies(rope_dim: int, theta: float, factor: float, original_max: i
     return (omega * (1 - ramp) + omega / factor * ramp).float()
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times: 0.1 mscale ln(factor) + 1."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
 def attention_scaling(rope: RopeConfig) -> float:
-    """What cos/sin are multiplied by: YaRN's 0.1 ln(factor) + 1 (unless the config gives it), else 1."""
+    """What cos/sin are multiplied by: YaRN's 0.1 ln(factor) + 1 (unless the config gives it, or gives
+    DeepSeek's mscale pair), else 1."""
     if rope.rope_type != "yarn":
         return 1.0
     if rope.attention_factor is not None:
         return rope.attention_factor
-    return 0.1 * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
+    if rope.mscale and rope.mscale_all_dim:
+        return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return yarn_mscale(rope.factor)
+
+
+def yarn_softmax_scale(rope: RopeConfig, scale: float) -> float:
+    """An MLA model's softmax scale: `scale` (head_dim ** -0.5) times yarn_mscale(factor,
+    mscale_all_dim) ** 2 under a scaled rope with `mscale_all_dim`, since DeepSeek scales every
+    dimension of q . k, not only the rotated ones."""
+    if rope.rope_type == "default" or not rope.mscale_all_dim:
+        return scale
+    return scale * yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
 
 
 def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:

@@ -131,6 +131,8 @@ def parse_rope(config: dict[str, Any]) -> RopeConfig:
         beta_slow=float(params.get("beta_slow") or 1.0),
         truncate=bool(params.get("truncate", True)),
         attention_factor=params.get("attention_factor"),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
     )
 
 

@@ -147,7 +147,7 @@ class CausalLM(ForwardModel):
         return name
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
-        """A tensor this rank never reads (another expert-parallel rank's expert); own loaders only."""
+        """A tensor this rank never reads (another expert-parallel rank's expert, a draft's layer)."""
         return False
 
     def fill_dummy(self) -> None:

@@ -73,7 +73,8 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
         return model.eval()
 
     def skip(name: str) -> bool:
-        return name.endswith(_HARMLESS_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight")
+        return name.endswith(_HARMLESS_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight") \
+            or model.skips_checkpoint_tensor(name)
 
     # A format the family's expert loaders dequantise (gpt-oss's MXFP4) leaves the linears in float.
     method = (config.get("quantization_config") or {}).get("quant_method")
@@ -81,7 +82,8 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
     if stored is not None:  # the FP8 layers exist before the copy, which fills weights and scales by name
         from kestrel.quant.linears import use_checkpoint_fp8_linears
 
-        use_checkpoint_fp8_linears(model, checkpoint_names(model_path), kernels.triton_fp8)
+        use_checkpoint_fp8_linears(model, [model.checkpoint_name(n) for n in checkpoint_names(model_path)],
+                                   kernels.triton_fp8)
     copy_checkpoint(model, model_path, getattr(cfg, "architecture", cls.__name__), cls.stacked_params, skip, model.checkpoint_name,
                     hf_config=config)
     return _quantized(model, quantization if stored is None else None, kernels).eval()

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from kestrel.models.base import CausalLM
+from kestrel.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from kestrel.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from kestrel.models.gpt_oss.model import GptOssForCausalLM
 from kestrel.models.llama import LlamaForCausalLM
@@ -12,6 +13,7 @@ from kestrel.models.qwen2_moe import Qwen2MoeForCausalLM
 from kestrel.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[CausalLM]] = {
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
