@@ -98,10 +98,11 @@ class ServerState:
 
     async def chat_prompt_ids(self, ticket: Ticket, messages: list[dict[str, Any]], body_bytes: int,
                               tools: list[dict[str, Any]] | None = None,
-                              template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        tokenization = self.need_tokenization("chat messages", "messages")
-        return await self._tokenize(ticket, "messages", tokenization.chat(
-            messages, self.client.info.max_req_len, "messages", body_bytes <= INLINE_BODY_BYTES, tools,
+                              template_kwargs: dict[str, Any] | None = None, param: str = "messages") -> list[int]:
+        """The rendered prompt's ids; errors name `param`, the request field the messages came from."""
+        tokenization = self.need_tokenization("chat messages", param)
+        return await self._tokenize(ticket, param, tokenization.chat(
+            messages, self.client.info.max_req_len, param, body_bytes <= INLINE_BODY_BYTES, tools,
             template_kwargs))
 
     async def _tokenize(self, ticket: Ticket, param: str, work: Any) -> Any:
