@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -104,6 +105,18 @@ class ServerState:
         return await self._tokenize(ticket, param, tokenization.chat(
             messages, self.client.info.max_req_len, param, body_bytes <= INLINE_BODY_BYTES, tools,
             template_kwargs))
+
+    async def render_chat(self, messages: list[dict[str, Any]], body_bytes: int, tools: list[dict[str, Any]] | None,
+                          template_kwargs: dict[str, Any] | None, param: str = "messages",
+                          add_generation_prompt: bool = True) -> list[int]:
+        """The rendered chat prompt's ids outside any generation (counting tokens, /tokenize): no
+        admission, and no limit on the length (what is counted may be longer than the context)."""
+        tokenization = self.need_tokenization("chat messages", param)
+        try:
+            return await tokenization.chat(messages, sys.maxsize, param, body_bytes <= INLINE_BODY_BYTES, tools,
+                                           template_kwargs, add_generation_prompt)
+        except PromptError as e:
+            raise bad_request(str(e), param) from None
 
     async def _tokenize(self, ticket: Ticket, param: str, work: Any) -> Any:
         try:
