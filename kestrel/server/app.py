@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kestrel.server import anthropic_api, native_api, openai_api, openapi
+from kestrel.server import anthropic_api, native_api, openai_api, openapi, responses_api, tokenize_api
 from kestrel.server.body_limit import BodyLimitMiddleware
 from kestrel.server.errors import APIError
 from kestrel.server.metrics import CONTENT_TYPE
@@ -155,6 +155,22 @@ def build_app(state: ServerState, max_request_bytes: int, request_read_timeout: 
     @app.post("/v1/messages/count_tokens")
     async def anthropic_count_tokens(request: Request) -> Response:
         return await anthropic_api.count_tokens(state, request)
+
+    @app.post("/v1/responses")
+    async def responses_create(request: Request) -> Response:
+        return await responses_api.create(state, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def responses_retrieve(response_id: str) -> Response:
+        return await responses_api.retrieve(state, response_id)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await tokenize_api.tokenize(state, request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await tokenize_api.detokenize(state, request)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:

@@ -5,13 +5,14 @@ import dataclasses
 import json
 import sys
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kestrel.config import ServerConfig
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.server.admission import AdmissionControl, Ticket, shutting_down
 from kestrel.server.engine_client import EngineClient
@@ -20,6 +21,7 @@ from kestrel.server.generation import Generation
 from kestrel.server.metrics import ServerMetrics
 from kestrel.server.protocol import fit_max_tokens, prompt_too_long, validated
 from kestrel.server.request_limits import check_nesting
+from kestrel.server.response_store import ResponseStore
 from kestrel.server.sse import ClientGone, EventStream, until_disconnect
 from kestrel.server.tokenization import INLINE_BODY_BYTES, PromptError, PromptTooLong, Tokenization
 from kestrel.server.reasoning_parsers import ReasoningParser
@@ -40,6 +42,9 @@ class ServerState:
     tool_parser: ToolParser | None = None  # --tool-call-parser: the format of the model's tool calls
     reasoning_parser: type[ReasoningParser] | None = None  # --reasoning-parser: the format of its reasoning
     model_aliases: tuple[str, ...] = ()  # further --served-model-name names clients may send
+    # The Responses API's stored responses (--responses-store-size).
+    responses: ResponseStore = field(
+        default_factory=lambda: ResponseStore(ServerConfig.responses_store_size))
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
