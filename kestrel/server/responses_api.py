@@ -28,6 +28,7 @@ from kestrel.server.state import ServerState, parse_body, respond
 
 _API_NAMES = {"max_new_tokens": "max_output_tokens"}  # SamplingParams field -> the Responses API's
 _TEXT_PARTS = ("input_text", "output_text", "text")
+_REASONING_PARTS = ("reasoning_text", "summary_text")
 
 
 class FunctionTool(_Body):
@@ -82,17 +83,17 @@ def _required(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _text(content: Any, where: str) -> str:
-    """A message's content: a string, or parts of text."""
+def _text(content: Any, where: str, kinds: tuple[str, ...] = _TEXT_PARTS) -> str:
+    """A message's content: a string, or parts of text (of the types `kinds`)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{where}.content must be a string or a list of text parts", "input")
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise bad_request(f"{where}.content[{j}]: only text parts ({', '.join(_TEXT_PARTS)}) are supported, "
+            raise bad_request(f"{where}.content[{j}]: only text parts ({', '.join(kinds)}) are supported, "
                               f"got {kind!r}", "input")
         texts.append(part["text"])
     return "".join(texts)
@@ -137,7 +138,7 @@ def chat_messages(items: list[dict[str, Any]], instructions: str | None) -> list
                         "content": output if isinstance(output, str) else _text(output, where)})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
-            reasoning = _text(parts, where)
+            reasoning = _text(parts, where, _REASONING_PARTS)
         else:
             raise bad_request(f"{where}: input items of type {kind!r} are not supported (messages, function_call, "
                               "function_call_output and reasoning are)", "input")
