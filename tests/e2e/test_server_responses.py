@@ -130,5 +130,13 @@ def test_tokenize_and_detokenize(tokenizer):
                                   ("/detokenize", {"tokens": "abc"}, "tokens")]:
             response = await http.post(path, json=body)
             assert response.status_code == 400 and response.json()["error"]["param"] == param, (body, response.json())
+        # The schema names these routes, their bodies, and each API's error shape.
+        schema = (await http.get("/openapi.json")).json()
+        for path, model, errors in [("/v1/responses", "ResponsesRequest", "ErrorResponse"),
+                                    ("/v1/messages", "MessagesRequest", "AnthropicErrorResponse"),
+                                    ("/tokenize", "TokenizeRequest", "ErrorResponse")]:
+            post = schema["paths"][path]["post"]
+            assert post["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(model)
+            assert post["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith(errors)
 
     serve(tokenizer, scenario)
