@@ -213,6 +213,9 @@ class ServerConfig:
                                                 "(tool_choice), as SGLang names them (the bundled demo's is "
                                                 "hermes); default: no tool calls",
                                           choices=("llama3", "qwen25", "hermes", "gpt-oss"))
+    responses_store_size: int = option(1000, "responses the Responses API keeps in memory for previous_response_id "
+                                             "and GET /v1/responses/{id}, the least recently used dropped "
+                                             "first; 0 keeps none (default: 1000)")
     reasoning_parser: str | None = option(None, "the format of the model's reasoning, returned as reasoning_content "
                                                 "of chat answers apart from the content (docs/reasoning.md); "
                                                 "gpt-oss with --tool-call-parser gpt-oss; default: none (the "

@@ -196,6 +196,8 @@ def _check_server(server: ServerConfig) -> None:
         raise ValueError(f"request_read_timeout must be > 0 seconds, got {server.request_read_timeout}")
     if server.tokenizer_pool_size < 1:
         raise ValueError(f"tokenizer_pool_size must be >= 1, got {server.tokenizer_pool_size}")
+    if server.responses_store_size < 0:
+        raise ValueError(f"responses_store_size must be >= 0, got {server.responses_store_size}")
     if server.tool_call_parser is not None:
         from kestrel.server.tool_parsers import tool_parser
 

@@ -71,6 +71,8 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | dict[str, Any] | None = None
+    # The request's scheduling priority, as vLLM's: a lower value is served first; 0 by default.
+    priority: int = 0
     stop_strs: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -113,6 +115,8 @@ class SamplingParams:
             bad("temperature", f"a finite number >= 0 (below {GREEDY_BELOW_TEMPERATURE:g}: greedy)")
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "a number in (0, 1]")
+        if not _is_int(self.priority):
+            bad("priority", "an integer")
         if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             bad("top_k", "-1 (disabled) or an integer >= 1")
         if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:

@@ -1,8 +1,10 @@
-"""The FastAPI app: routes, the body-size limit, the API-key check, every error as an OpenAI-shaped body.
+"""The FastAPI app: routes, the body-size limit, the API-key check, every error in the shape of the route's
+API (OpenAI's, Anthropic's under /v1/messages).
 
 Open to all: /health and /ping (its SageMaker-style twin), /metrics (probes and scrapers, as vLLM keeps
-them), /version and /openapi.json. With --api-key, everything else needs `Authorization: Bearer KEY`:
-/v1/*, /generate and /server_info (which names the model path and the engine's PID).
+them), /version and /openapi.json. With --api-key, everything else needs `Authorization: Bearer KEY` (or
+`x-api-key: KEY`, which the anthropic client sends): /v1/*, /generate, /tokenize, /detokenize and
+/server_info (which names the model path and the engine's PID).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kestrel.server import native_api, openai_api, openapi
+from kestrel.server import anthropic_api, native_api, openai_api, openapi, responses_api, tokenize_api
 from kestrel.server.body_limit import BodyLimitMiddleware
 from kestrel.server.errors import APIError
 from kestrel.server.metrics import CONTENT_TYPE
@@ -28,23 +30,27 @@ KESTREL_VERSION = version("kestrel")
 
 
 def _protected(path: str) -> bool:
-    return path.startswith("/v1/") or path in ("/v1", "/generate", "/server_info")
+    return path.startswith("/v1/") or path in ("/v1", "/generate", "/tokenize", "/detokenize", "/server_info")
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer KEY` on every protected path (see the module docstring)."""
+    """`Authorization: Bearer KEY` or `x-api-key: KEY` on every protected path (see the module docstring)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.bearer = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and _protected(scope["path"]):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                error = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
-                                 code="invalid_api_key")
-                await error.response()(scope, receive, send)
+            headers = dict(scope["headers"])
+            # Both compared, always: how long the check takes says nothing about which header was sent.
+            bearer = secrets.compare_digest(headers.get(b"authorization", b""), self.bearer)
+            key = secrets.compare_digest(headers.get(b"x-api-key", b""), self.key)
+            if not (bearer or key):
+                error = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>' "
+                                      "(or 'x-api-key: <key>')", code="invalid_api_key")
+                await error.response(scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -73,7 +79,8 @@ class InternalErrorMiddleware:
             logger.exception("unhandled error while serving %s", scope.get("path"))
             if started or scope["type"] != "http":
                 raise  # too late for a 500: let the server close the connection
-            await APIError(500, f"internal server error: {type(e).__name__}: {e}").response()(scope, receive, send)
+            await APIError(500, f"internal server error: {type(e).__name__}: {e}").response(scope["path"])(
+                scope, receive, send)
 
 
 def build_app(state: ServerState, max_request_bytes: int, request_read_timeout: float) -> FastAPI:
@@ -87,15 +94,16 @@ def build_app(state: ServerState, max_request_bytes: int, request_read_timeout: 
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes, read_timeout=request_read_timeout)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> Response:
-        return exc.response()
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return exc.response(request.url.path)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         message = str(exc.detail)
         if exc.status_code == 405 and exc.headers and "Allow" in exc.headers:
             message = f"{request.method} is not allowed on {request.url.path}; use {exc.headers['Allow']}"
-        return APIError(exc.status_code, message, headers=exc.headers).response()  # 405 keeps its Allow header
+        # 405 keeps its Allow header.
+        return APIError(exc.status_code, message, headers=exc.headers).response(request.url.path)
 
     @app.get("/health")
     async def health() -> Response:
@@ -139,6 +147,30 @@ def build_app(state: ServerState, max_request_bytes: int, request_read_timeout: 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await openai_api.chat_completions(state, request)
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(request: Request) -> Response:
+        return await anthropic_api.messages(state, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens(request: Request) -> Response:
+        return await anthropic_api.count_tokens(state, request)
+
+    @app.post("/v1/responses")
+    async def responses_create(request: Request) -> Response:
+        return await responses_api.create(state, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def responses_retrieve(response_id: str) -> Response:
+        return await responses_api.retrieve(state, response_id)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await tokenize_api.tokenize(state, request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await tokenize_api.detokenize(state, request)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:

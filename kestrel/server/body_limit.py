@@ -50,7 +50,7 @@ class BodyLimitMiddleware:
             return
         size = _content_length(scope)
         if size is not None and size > self.max_bytes:
-            await _too_large(self.max_bytes, size).response()(scope, receive, send)
+            await _too_large(self.max_bytes, size).response(scope["path"])(scope, receive, send)
             return
         received = 0
         body_done = False

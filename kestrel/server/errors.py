@@ -1,4 +1,6 @@
-"""HTTP errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
+"""HTTP errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and on Anthropic's
+routes (`/v1/messages...`) in Anthropic's, `{"type": "error", "error": {"type", "message"}}`: each API's
+clients read their own."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,6 +11,15 @@ from starlette.responses import JSONResponse
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
           503: "service_unavailable_error"}
+# Anthropic's error types by status (its API answers 529 where kestrel answers 503: overloaded).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def speaks_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
 
 
 class APIError(Exception):
@@ -25,8 +36,15 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's shape has no `param`: the message names the field (ours all do)."""
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
+                                           "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The answer on route `path`, in that API's error shape."""
+        body = self.anthropic_body() if speaks_anthropic(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

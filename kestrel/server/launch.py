@@ -28,6 +28,7 @@ from kestrel.server.state import ServerState
 from kestrel.server.supervisor import EngineSupervisor
 from kestrel.server.tokenization import Tokenization
 from kestrel.server.reasoning_parsers import reasoning_parser
+from kestrel.server.response_store import ResponseStore
 from kestrel.server.tool_parsers import tool_parser
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,8 @@ def serve(config: EngineConfig, served_model_names: Sequence[str] = ()) -> int:
         parser = tool_parser(server_config.tool_call_parser) if server_config.tool_call_parser else None
         reasoning = reasoning_parser(server_config.reasoning_parser) if server_config.reasoning_parser else None
         state = ServerState(client, tokenization, name, config.model.model, metrics, admission,
-                            server_config.api_key, parser, reasoning, tuple(aliases))
+                            server_config.api_key, parser, reasoning, tuple(aliases),
+                            ResponseStore(server_config.responses_store_size))
         debug = server_config.log_level.lower() == "debug"
         # Drain ends every request before uvicorn stops, so uvicorn's own grace period only bounds a
         # connection still sending its request.

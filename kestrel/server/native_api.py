@@ -80,6 +80,8 @@ async def generate(state: ServerState, request: Request) -> Response:
     if body.return_logprob and body.logprob_start_len >= 0:
         params = dataclasses.replace(params, prompt_logprobs=body.top_logprobs_num)
         names["prompt_logprobs"] = "top_logprobs_num"
+    if body.priority is not None:  # SGLang's place for it, beside sampling_params (which may hold it too)
+        params = dataclasses.replace(params, priority=body.priority)
     base = validated(params, state.client.info.vocab_size, names)
     ticket = state.admit(len(given) * n, "sampling_params" if n > 1 else param)
     with ticket.released_on_error():

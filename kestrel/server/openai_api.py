@@ -11,14 +11,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kestrel.server.chat_output import ChatDelta, ChatOutput
+from kestrel.server.chat import prepare_chat
 from kestrel.server.generation import Choice, ChoiceUpdate, Generation
 from kestrel.server.protocol import ChatCompletionRequest, CompletionRequest, expand_choices, prompt_list, validated
-from kestrel.server.errors import bad_request
 from kestrel.server.sse import sse_stream
 from kestrel.server.state import ServerState, parse_body, respond
-from kestrel.server.tool_parsers import ToolCallStream
-from kestrel.server.tools import new_call_id, tool_use
 
 _API_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "prompt_logprobs": "logprobs"}
 # OpenAI's default for /v1/completions; cut to the room the context leaves, as chat's default (all of
@@ -184,72 +181,24 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     body, body_bytes = await parse_body(request, ChatCompletionRequest)
     model = state.check_model(body.model)
     body.check()
-    state.need_tokenization("chat messages", "messages")
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     names = {**_API_NAMES, "max_new_tokens": name, "logprobs": "top_logprobs"}
-    info = state.client.info
-    tools = tool_use(body, state.tool_parser)
-    grammar = body.grammar()
-    if tools is not None and tools.structural_tag is not None:
-        if grammar:
-            raise bad_request("tool_choice 'required' or a named function constrains the output to tool calls; "
-                              f"drop {next(iter(grammar))}", "tool_choice")
-        grammar = {"structural_tag": tools.structural_tag}
-    grammar_param = "tools" if tools is not None and tools.structural_tag is not None else body.grammar_param()
-    # Without max_tokens, as vLLM: up to the end of the context, at most max_req_len - 1 for any prompt.
-    base = validated(body.sampling_params(info.max_req_len - 1 if asked is None else asked,
-                                          body.engine_top_logprobs(), grammar), info.vocab_size, names)
-    reasoning = state.reasoning_parser
-    if reasoning is not None and reasoning.needs_special_tokens:  # the parser reads the format's markers
-        base = dataclasses.replace(base, skip_special_tokens=False)
-    template_kwargs = body.template_kwargs()
-    ticket = state.admit(body.n, "n")
-    # With a reasoning parser or tools, each choice's text is read by its ChatOutput as it comes, streamed
-    # or not (one reading, so both answers agree); a repeated call ends the choice.
-    readers = [ChatOutput(reasoning() if reasoning is not None else None,
-                          ToolCallStream(tools.parser, new_call_id) if tools is not None else None)
-               for _ in range(body.n)] if reasoning is not None or tools is not None else None
-    read: dict[int, ChatDelta] = {}  # choice -> what its last update added
-
-    def read_answer(u: ChoiceUpdate) -> None:
-        reader = readers[u.index]
-        read[u.index] = reader.feed(u.text, final=u.finish_reason is not None)
-        if reader.ended:
-            gen.stop(u.index)
-
-    with ticket.released_on_error():
-        prompt = await state.chat_prompt_ids(ticket, body.messages, body_bytes,
-                                             tools.template_tools if tools is not None else None, template_kwargs)
-        params = state.params_for(base, [prompt], asked, None, "messages", name, names)
-        gen = Generation(state.client, state.tokenizer, *expand_choices([prompt], params, body.n), ticket,
-                         prompt_param="messages", grammar_param=grammar_param, api_names=names,
-                         on_update=read_answer if readers is not None else None)
+    turn = await prepare_chat(state, body, body_bytes, asked, name, names)
+    gen = turn.gen
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": gen.created,
             "model": model}
-    name = _token_name(state, body.return_tokens_as_token_ids)
+    token_name = _token_name(state, body.return_tokens_as_token_ids)
 
     def logprobs_of(ids: list[int], lps: list[float] | None, tops: list | None) -> dict | None:
-        return None if lps is None else _chat_logprobs(name, ids, lps, tops or [])
-
-    def tools_finish(index: int, finish: str | None) -> str | None:
-        """A choice that ended on its calls finishes with "tool_calls"; a named tool_choice with "stop",
-        as OpenAI answers it (the caller asked for that call; the model chose nothing)."""
-        reader = readers[index]
-        if tools is not None and finish is not None and (reader.ended or finish == "stop" and reader.calls):
-            return "stop" if tools.named else "tool_calls"
-        return finish
+        return None if lps is None else _chat_logprobs(token_name, ids, lps, tops or [])
 
     def chunk_choice(u: ChoiceUpdate) -> dict | None:
-        finish = u.finish_reason
-        if readers is None:
-            delta = {"content": u.text} if u.text else {}
-        else:
-            got = read.pop(u.index)
-            delta = {**(_reasoning_fields(got.reasoning) if got.reasoning else {}),
-                     **({"content": got.content} if got.content else {}),
-                     **({"tool_calls": got.tool_calls} if got.tool_calls else {})}
-            finish = tools_finish(u.index, finish)
+        got = turn.delta(u)
+        delta = {**(_reasoning_fields(got.reasoning) if got.reasoning else {}),
+                 **({"content": got.content} if got.content else {}),
+                 **({"tool_calls": got.tool_calls} if got.tool_calls else {})}
+        finish = turn.finish_reason(u.index, u.finish_reason)
         if not delta and finish is None and u.logprobs is None:
             return None
         c = gen.choices[u.index]
@@ -263,18 +212,16 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
 
     def final(c: Choice) -> dict[str, Any]:
         lps = c.logprobs if c.params.logprobs is not None else None
-        message: dict[str, Any] = {"role": "assistant", "content": c.text}
-        finish = c.finish_reason
-        if readers is not None:
-            reader = readers[c.index]
-            if reasoning is not None:
-                message.update(_reasoning_fields(reader.reasoning or None))
-            message["content"] = reader.content or (None if reader.calls else "")
-            if reader.calls:
-                message["tool_calls"] = [call.openai() for call in reader.calls]
-            finish = tools_finish(c.index, finish)
+        answer = turn.answer(c)
+        message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+        if turn.reasoning:
+            message.update(_reasoning_fields(answer.reasoning))
+        if turn.readers is not None:
+            message["content"] = answer.content or (None if answer.calls else "")
+        if answer.calls:
+            message["tool_calls"] = [call.openai() for call in answer.calls]
         return {"index": c.index, "message": message, "logprobs": logprobs_of(c.token_ids, lps, c.top_logprobs),
-                "finish_reason": finish, "stop_reason": c.stop_reason, "matched_stop": c.matched_stop}
+                "finish_reason": answer.finish_reason, "stop_reason": c.stop_reason, "matched_stop": c.matched_stop}
 
     def whole() -> dict[str, Any]:
         out = {**head, "object": "chat.completion", "choices": [final(c) for c in gen.choices],

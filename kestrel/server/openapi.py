@@ -2,8 +2,9 @@
 
 The generation endpoints read their bodies themselves (a 413 before reading, our own 400s), so
 FastAPI cannot see their models; the schemas are added here from the same pydantic classes that
-validate the bodies, so they cannot drift apart. So are the error answers each route gives, all in
-OpenAI's error shape (`kestrel.server.errors`); no route answers 422 (a bad body is a 400).
+validate the bodies, so they cannot drift apart. So are the error answers each route gives, in OpenAI's
+error shape, or Anthropic's on /v1/messages (`kestrel.server.errors`); no route answers 422 (a bad body
+is a 400).
 """
 from __future__ import annotations
 
@@ -13,19 +14,29 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from kestrel.server.anthropic_api import CountTokensRequest, MessagesRequest
+from kestrel.server.errors import speaks_anthropic
 from kestrel.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from kestrel.server.responses_api import ResponsesRequest
+from kestrel.server.tokenize_api import DetokenizeRequest, TokenizeRequest
 
-BODIES: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
-                                      "/v1/chat/completions": ChatCompletionRequest, "/generate": GenerateRequest}
+BODIES: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
+    "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+    "/generate": GenerateRequest}
 
 ERRORS = {400: "the request is invalid (`param` names the field)", 401: "a missing or wrong API key (with --api-key)",
-          404: "no such model (`code`: model_not_found)", 413: "the body is over --max-request-bytes",
+          404: "no such model (`code`: model_not_found), or no such stored response", 413: "the body is over --max-request-bytes",
           503: "the server is draining, restarting its engine, or full (then with Retry-After)"}
 # The error answers of each path beside its 200; the /v1 paths, /generate and /server_info are the ones
 # --api-key protects (kestrel.server.app).
 _GENERATION = (400, 401, 413, 503)
 ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
     "/v1/completions": (*_GENERATION, 404), "/v1/chat/completions": (*_GENERATION, 404), "/generate": _GENERATION,
+    "/v1/messages": (*_GENERATION, 404), "/v1/messages/count_tokens": (400, 401, 404, 413),
+    "/v1/responses": (*_GENERATION, 404), "/v1/responses/{response_id}": (401, 404),
+    "/tokenize": (400, 401, 404, 413), "/detokenize": (400, 401, 404, 413),
     "/v1/models": (401,), "/server_info": (401,), "/health": (503,), "/ping": (503,)}
 
 ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
@@ -33,6 +44,9 @@ ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error":
         "message": {"type": "string"}, "type": {"type": "string"},
         "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
         "code": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}}}
+ANTHROPIC_ERROR_SCHEMA = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": {"type": "string"}, "message": {"type": "string"}}}}}
 
 
 def openapi_schema(app: FastAPI) -> dict[str, Any]:
@@ -46,9 +60,12 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
             "required": True,
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
     components["ErrorResponse"] = ERROR_SCHEMA
-    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    components["AnthropicErrorResponse"] = ANTHROPIC_ERROR_SCHEMA
     for path, statuses in ROUTE_ERRORS.items():
+        name = "AnthropicErrorResponse" if speaks_anthropic(path) else "ErrorResponse"
+        error = {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}
         for operation in schema["paths"][path].values():
+            operation["responses"].pop("422", None)  # FastAPI's, for a path parameter; any string is an id
             operation["responses"].update(
                 {str(status): {"description": ERRORS[status], "content": error} for status in statuses})
     return schema

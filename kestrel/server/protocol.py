@@ -67,6 +67,7 @@ class _OpenAISampling(_Body):
     # tokens named "token_id:N" rather than by their text.
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool | None = None
+    priority: int = 0  # scheduling: a lower value is served first (vLLM's)
 
     def _check(self) -> None:
         if self.temperature is not None and not 0 <= self.temperature <= OPENAI_MAX_TEMPERATURE:
@@ -126,7 +127,7 @@ class _OpenAISampling(_Body):
             seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens, logprobs=top_logprobs, prompt_logprobs=self.prompt_logprobs,
-            **(self.grammar() if grammar is None else grammar))
+            priority=self.priority, **(self.grammar() if grammar is None else grammar))
 
 
 class CompletionRequest(_OpenAISampling):
@@ -221,6 +222,7 @@ class GenerateRequest(_Body):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # with return_logprob, >= 0: the prompt's logprobs from this position on
+    priority: int | None = None  # scheduling (SamplingParams.priority); None: sampling_params' or 0
 
 
 # ---- prompts ------------------------------------------------------------------------------------

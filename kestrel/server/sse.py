@@ -43,6 +43,24 @@ async def sse_stream(payloads: AsyncIterator[Any]) -> AsyncIterator[bytes]:
     yield SSE_DONE
 
 
+async def named_sse_stream(events: AsyncIterator[tuple[str, Any]],
+                           error_event: Callable[[APIError], tuple[str, Any]]) -> AsyncIterator[bytes]:
+    """Events named by their type (`event: NAME` before each payload), as Anthropic's Messages and OpenAI's
+    Responses stream them, with no [DONE]; an error mid-stream is sent as `error_event(error)` and ends
+    the stream, as `sse_stream` does."""
+    def named(name: str, payload: Any) -> bytes:
+        return f"event: {name}\n".encode() + sse_event(payload)
+
+    try:
+        async for name, payload in events:
+            yield named(name, payload)
+    except APIError as e:
+        yield named(*error_event(e))
+    except Exception as e:
+        logger.exception("unhandled error while streaming a response")
+        yield named(*error_event(APIError(500, f"internal server error: {type(e).__name__}: {e}")))
+
+
 class ClientGone(Exception):
     pass
 

@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kestrel.config import ServerConfig
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.server.admission import AdmissionControl, Ticket, shutting_down
 from kestrel.server.engine_client import EngineClient
@@ -19,6 +21,7 @@ from kestrel.server.generation import Generation
 from kestrel.server.metrics import ServerMetrics
 from kestrel.server.protocol import fit_max_tokens, prompt_too_long, validated
 from kestrel.server.request_limits import check_nesting
+from kestrel.server.response_store import ResponseStore
 from kestrel.server.sse import ClientGone, EventStream, until_disconnect
 from kestrel.server.tokenization import INLINE_BODY_BYTES, PromptError, PromptTooLong, Tokenization
 from kestrel.server.reasoning_parsers import ReasoningParser
@@ -39,6 +42,9 @@ class ServerState:
     tool_parser: ToolParser | None = None  # --tool-call-parser: the format of the model's tool calls
     reasoning_parser: type[ReasoningParser] | None = None  # --reasoning-parser: the format of its reasoning
     model_aliases: tuple[str, ...] = ()  # further --served-model-name names clients may send
+    # The Responses API's stored responses (--responses-store-size).
+    responses: ResponseStore = field(
+        default_factory=lambda: ResponseStore(ServerConfig.responses_store_size))
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -98,11 +104,24 @@ class ServerState:
 
     async def chat_prompt_ids(self, ticket: Ticket, messages: list[dict[str, Any]], body_bytes: int,
                               tools: list[dict[str, Any]] | None = None,
-                              template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        tokenization = self.need_tokenization("chat messages", "messages")
-        return await self._tokenize(ticket, "messages", tokenization.chat(
-            messages, self.client.info.max_req_len, "messages", body_bytes <= INLINE_BODY_BYTES, tools,
+                              template_kwargs: dict[str, Any] | None = None, param: str = "messages") -> list[int]:
+        """The rendered prompt's ids; errors name `param`, the request field the messages came from."""
+        tokenization = self.need_tokenization("chat messages", param)
+        return await self._tokenize(ticket, param, tokenization.chat(
+            messages, self.client.info.max_req_len, param, body_bytes <= INLINE_BODY_BYTES, tools,
             template_kwargs))
+
+    async def render_chat(self, messages: list[dict[str, Any]], body_bytes: int, tools: list[dict[str, Any]] | None,
+                          template_kwargs: dict[str, Any] | None, param: str = "messages",
+                          add_generation_prompt: bool = True) -> list[int]:
+        """The rendered chat prompt's ids outside any generation (counting tokens, /tokenize): no
+        admission, and no limit on the length (what is counted may be longer than the context)."""
+        tokenization = self.need_tokenization("chat messages", param)
+        try:
+            return await tokenization.chat(messages, sys.maxsize, param, body_bytes <= INLINE_BODY_BYTES, tools,
+                                           template_kwargs, add_generation_prompt)
+        except PromptError as e:
+            raise bad_request(str(e), param) from None
 
     async def _tokenize(self, ticket: Ticket, param: str, work: Any) -> Any:
         try:

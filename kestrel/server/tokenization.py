@@ -73,15 +73,16 @@ def lone_surrogate(value: Any, where: str) -> str | None:
     return None
 
 
-def encode_texts(tokenizer: Any, texts: list[str], limit: int, names: list[str]) -> list[list[int]]:
-    """The token ids of each text (errors call text i `names[i]`); PromptTooLong for one of `limit`
-    tokens or more."""
+def encode_texts(tokenizer: Any, texts: list[str], limit: int, names: list[str],
+                 add_special_tokens: bool = True) -> list[list[int]]:
+    """The token ids of each text (errors call text i `names[i]`; the tokenizer's BOS and the like unless
+    `add_special_tokens` is off); PromptTooLong for one of `limit` tokens or more."""
     out = []
     for text, where in zip(texts, names):
         if problem := lone_surrogate(text, where):
             raise PromptError(problem)
         try:
-            ids = tokenizer.encode(text)
+            ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except Exception as e:
             raise PromptError(f"{where} cannot be tokenized: {type(e).__name__}: {e}") from None
         if len(ids) >= limit:
@@ -91,14 +92,14 @@ def encode_texts(tokenizer: Any, texts: list[str], limit: int, names: list[str])
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], limit: int, param: str,
-                tools: list[dict[str, Any]] | None = None,
-                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
+                add_generation_prompt: bool = True) -> list[int]:
     """The token ids of the rendered chat prompt (with the tools it may call and the template's further
-    variables); PromptTooLong as above."""
+    variables; opening the assistant's turn unless `add_generation_prompt` is off); PromptTooLong as above."""
     if problem := lone_surrogate(messages, param):
         raise PromptError(problem)
     try:
-        ids = apply_chat_template(tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
+        ids = apply_chat_template(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
     except Exception as e:  # our checks of the messages (ValueError), the template's own (jinja2 errors)
         raise PromptError(str(e) if isinstance(e, ValueError) else f"{param}: {type(e).__name__}: {e}") from None
     if len(ids) >= limit:
@@ -173,13 +174,15 @@ class Tokenization:
         # exit hook against the pool's manager thread, which can end in a traceback (a closed pipe).
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    async def encode(self, texts: list[str], limit: int, names: list[str], inline: bool) -> list[list[int]]:
-        return await self._run(encode_texts, inline, texts, limit, names)
+    async def encode(self, texts: list[str], limit: int, names: list[str], inline: bool,
+                     add_special_tokens: bool = True) -> list[list[int]]:
+        return await self._run(encode_texts, inline, texts, limit, names, add_special_tokens)
 
     async def chat(self, messages: list[dict[str, Any]], limit: int, param: str, inline: bool,
                    tools: list[dict[str, Any]] | None = None,
-                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        return await self._run(encode_chat, inline, messages, limit, param, tools, template_kwargs)
+                   template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True) -> list[int]:
+        return await self._run(encode_chat, inline, messages, limit, param, tools, template_kwargs,
+                               add_generation_prompt)
 
     async def _run(self, fn: Callable[..., T], inline: bool, *args: Any) -> T:
         if inline:

@@ -75,15 +75,17 @@ class _FakeProcess:
 
 
 @contextlib.asynccontextmanager
-async def fake_engine_app(engine: Callable, tokenizer=None, **state_fields) -> AsyncIterator:
+async def fake_engine_app(engine: Callable, tokenizer=None, http_module=None, **state_fields) -> AsyncIterator:
     """(EngineClient, httpx.AsyncClient) of the HTTP app served in process, its engine side played by
     `engine(inbox, outbox)` on a thread: a fake speaking the real IPC messages over real pipes, so the HTTP
     process's code (dispatcher, generation, responses) runs as in `kestrel serve` with no engine code.
     With a `tokenizer`, text prompts and chat messages are served too; `state_fields` are further
-    ServerState fields (tool_parser, reasoning_parser)."""
+    ServerState fields (tool_parser, reasoning_parser). `http_module`: the HTTP client's package when
+    not httpx (the anthropic client takes only httpx2's)."""
     # Imported here: the server's modules take a second and a half to import, which the other e2e
     # tests would pay for nothing.
     import httpx
+    http_module = http_module or httpx
 
     from kestrel.server.admission import AdmissionControl
     from kestrel.server.app import build_app
@@ -107,8 +109,8 @@ async def fake_engine_app(engine: Callable, tokenizer=None, **state_fields) -> A
     state = ServerState(client, tokenization, "fake", "/nowhere", metrics, AdmissionControl(8), **state_fields)
     client.start()
     try:
-        transport = httpx.ASGITransport(app=build_app(state, 2**20, 30.0))
-        async with httpx.AsyncClient(transport=transport, base_url="http://kestrel") as http:
+        transport = http_module.ASGITransport(app=build_app(state, 2**20, 30.0))
+        async with http_module.AsyncClient(transport=transport, base_url="http://kestrel") as http:
             yield client, http
     finally:
         await client.shutdown(timeout=5)  # sends Shutdown: the fake engine's thread ends
