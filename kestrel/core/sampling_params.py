@@ -71,6 +71,8 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | dict[str, Any] | None = None
+    # Scheduling priority, vLLM's sense: a lower value is admitted first, and retracted last (default 0).
+    priority: int = 0
     stop_strs: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -107,6 +109,8 @@ class SamplingParams:
 
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             bad("max_new_tokens", "an integer >= 0")
+        if not _is_int(self.priority):
+            bad("priority", "an integer (lower runs first)")
         if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             bad("min_new_tokens", f"an integer in [0, max_new_tokens={self.max_new_tokens}]")
         if not _is_num(self.temperature) or self.temperature < 0:
