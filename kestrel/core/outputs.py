@@ -46,3 +46,4 @@ class StepInfo:
     num_reqs: int
     num_tokens: int  # new tokens in the forward
     seconds: float
+    num_prefill_tokens: int = 0  # of those, new prompt tokens (prefill chunks)

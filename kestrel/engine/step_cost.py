@@ -2,8 +2,9 @@
 
     seconds = base + per_decode x decodes + per_kv x context_tokens / 1024 + per_prefill x prefill_tokens / 1024
 
-`decodes` are the step's decoding requests, `context_tokens` the KV its attention reads (every
-request's prefix plus its new tokens), `prefill_tokens` its new prompt tokens. The fit is least squares
+`decodes` are the step's decoding requests, `context_tokens` the KV their attention reads,
+`prefill_tokens` the step's new prompt tokens (their attention over the prompt's earlier chunks is
+folded into their weight: counting it as context would make the two features move together). The fit is least squares
 over every observed step, older steps weighing less (FORGETTING per step), so that the model follows
 the machine (warm caches, CUDA graphs, clocks). A weak ridge pulls toward the previous fit, which keeps
 the 4x4 system solvable before the steps have varied in every feature. The scheduler asks it only once
@@ -32,9 +33,9 @@ class StepShape:
 
     @classmethod
     def of(cls, batch: ScheduledBatch) -> "StepShape":
-        prefill = sum(batch.extend_lens[:batch.num_prefill])
-        context = sum(batch.prefix_lens) + sum(batch.extend_lens)
-        return cls(batch.batch_size - batch.num_prefill, context, prefill)
+        n = batch.num_prefill
+        context = sum(batch.prefix_lens[n:]) + sum(batch.extend_lens[n:])
+        return cls(batch.batch_size - n, context, sum(batch.extend_lens[:n]))
 
     def features(self) -> np.ndarray:
         return np.array([1.0, self.decodes, self.context_tokens / 1024, self.prefill_tokens / 1024])
@@ -42,6 +43,10 @@ class StepShape:
 
 class StepCostModel:
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every step seen."""
         self._gram = np.zeros((4, 4))
         self._moment = np.zeros(4)
         self.coef = np.zeros(4)
@@ -71,9 +76,9 @@ class StepCostModel:
 
     def prefill_tokens_within(self, seconds: float, decodes: int, context_tokens: int) -> int:
         """The most prefill tokens a step of `decodes` decodes over `context_tokens` can carry in
-        `seconds` (each prefill token is also read as context); 0 when the rest alone takes longer."""
+        `seconds`; 0 when the rest alone takes longer."""
         rest = self.predict(StepShape(decodes, context_tokens, 0))
-        per_token = (self.coef[2] + self.coef[3]) / 1024
+        per_token = self.coef[3] / 1024
         return max(0, int((seconds - rest) / per_token))
 
     def describe(self) -> str:
