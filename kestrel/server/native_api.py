@@ -77,6 +77,8 @@ async def generate(state: ServerState, request: Request) -> Response:
         raise bad_request(f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position >= 0, got "
                           f"{body.logprob_start_len}", "logprob_start_len")
     names = {"logprobs": "top_logprobs_num"} if body.return_logprob else {}  # the counts top_logprobs_num set
+    if body.priority is not None:
+        params = dataclasses.replace(params, priority=body.priority)
     if body.return_logprob and body.logprob_start_len >= 0:
         params = dataclasses.replace(params, prompt_logprobs=body.top_logprobs_num)
         names["prompt_logprobs"] = "top_logprobs_num"

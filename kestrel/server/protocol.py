@@ -56,6 +56,7 @@ class _OpenAISampling(_Body):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    priority: int = 0  # vLLM's: a lower value is scheduled first (docs/scheduling.md)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or SGLang's extra fields
     # (at most one of them all).
     response_format: dict[str, Any] | None = None
@@ -126,7 +127,7 @@ class _OpenAISampling(_Body):
             seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens, logprobs=top_logprobs, prompt_logprobs=self.prompt_logprobs,
-            **(self.grammar() if grammar is None else grammar))
+            priority=self.priority, **(self.grammar() if grammar is None else grammar))
 
 
 class CompletionRequest(_OpenAISampling):
@@ -221,6 +222,7 @@ class GenerateRequest(_Body):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # with return_logprob, >= 0: the prompt's logprobs from this position on
+    priority: int | None = None  # SGLang's place for it; sampling_params.priority is the same field
 
 
 # ---- prompts ------------------------------------------------------------------------------------
