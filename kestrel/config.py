@@ -91,10 +91,9 @@ class SchedulerConfig:
     itl_target_ms: float | None = option(None, "inter-token latency the running requests should see while "
                                                "prompts are prefilled: each step's prefill is sized to keep them "
                                                "within it (default: twice the decodes' own step time)")
-    ttft_target_ms: float | None = option(None, "time to first token past which a waiting request goes before "
-                                                "shorter prompts of its priority (and rises a priority level every "
-                                                "4 targets); also the goodput counters' TTFT target (default: "
-                                                "none; waiting ages after 2 s)")
+    ttft_target_ms: float | None = option(None, "time to first token the goodput counters check; waiting 4 "
+                                                "targets raises a request one priority level, ahead of shorter "
+                                                "prompts (default: none; waiting ages as if it were 2000)")
     step_cost_profile_steps: int | None = option(None, "synthetic steps timed at start-up to seed the step-cost "
                                                        "model; 0 skips it (the model then learns from the first "
                                                        "steps served) (default: 12 on GPU, 0 on CPU)")

@@ -5,9 +5,11 @@ Three decisions, asked by the scheduler each step:
 - `order`: which waiting (or half-prefilled) request gets prefill first. By priority (vLLM's sense:
   a lower value runs earlier; default 0), then requests already in service (a resumed retraction, which
   streams) and requests past their TTFT target, oldest first; then the rest shortest remaining prefill
-  first, so a long prompt cannot hold short ones back. Waiting ages a request: past its TTFT target it
-  goes first among its priority, and every AGING_LEVEL_TARGETS targets more it rises one priority
-  level, so neither a long prompt nor a low priority waits for ever.
+  first, so a long prompt cannot hold short ones back. Waiting ages a request: every AGING_TARGETS
+  TTFT targets it has waited it rises one priority level and goes before the requests of its new level
+  that are not overdue, so neither a long prompt nor a low priority waits for ever. (Aging at the
+  target itself would be too soon: a long prompt that cannot meet it anyway would then hold back the
+  short ones that can.)
 - `prefill_budget`: how many prefill tokens this step may carry while requests decode, so that the
   streams' next token is predicted (`StepCostModel`) to come within the ITL target. Without a target the
   target is AUTO_ITL_FACTOR x the decodes' own step time: prefill gets at most as much time as the
@@ -27,9 +29,9 @@ AUTO_ITL_FACTOR = 2.0
 # A step's prefill never gets fewer tokens than this (when it gets any), so that prefill progresses
 # even where the decodes alone take the whole ITL target.
 MIN_PREFILL_TOKENS = 64
-# Without a TTFT target, a request counts as overdue after this long.
+# Without a TTFT target, waiting ages a request as if the target were this.
 AGING_WITHOUT_TARGET_S = 2.0
-AGING_LEVEL_TARGETS = 4
+AGING_TARGETS = 4
 
 
 class SchedulePolicy:
@@ -37,7 +39,7 @@ class SchedulePolicy:
         self.cost = cost
         self.clock = clock
         self.itl_target_s = config.itl_target_ms / 1e3 if config.itl_target_ms is not None else None
-        self.overdue_s = config.ttft_target_ms / 1e3 if config.ttft_target_ms is not None else AGING_WITHOUT_TARGET_S
+        self.target_s = config.ttft_target_ms / 1e3 if config.ttft_target_ms is not None else AGING_WITHOUT_TARGET_S
 
     # ---- prefill order --------------------------------------------------------------------------
     def order(self, candidates: list[Request]) -> list[Request]:
@@ -46,11 +48,10 @@ class SchedulePolicy:
 
     def _rank(self, req: Request, now: float) -> tuple:
         waited = now - req.queued_at if req.queued_at is not None else 0.0
-        overdue = waited > self.overdue_s
-        priority = req.params.priority - int(waited / (AGING_LEVEL_TARGETS * self.overdue_s))
-        if overdue or req.output_ids:
-            return priority, 0, req.arrival
-        return priority, 1, remaining_prefill(req), req.arrival
+        levels = int(waited / (AGING_TARGETS * self.target_s))
+        if levels or req.output_ids:
+            return req.params.priority - levels, 0, req.arrival
+        return req.params.priority, 1, remaining_prefill(req), req.arrival
 
     # ---- prefill size -----------------------------------------------------------------------------
     def prefill_budget(self, decodes: list[Request], mixed: bool, gap_spent_s: float) -> int | None:
@@ -73,8 +74,8 @@ class SchedulePolicy:
     @staticmethod
     def retraction_key(req: Request) -> tuple:
         """Retraction takes the smallest key first: the lowest priority, then the fewest generated tokens
-        (the least decoding lost), then the longest prompt (the most KV freed)."""
-        return -req.params.priority, req.num_generated, -len(req.prompt_ids)
+        (the least decoding lost), then the longest prompt (the most KV freed), then the latest arrival."""
+        return -req.params.priority, req.num_generated, -len(req.prompt_ids), -req.arrival
 
     @staticmethod
     def preemptible(req: Request, running: list[Request]) -> list[Request]:
