@@ -79,6 +79,10 @@ class StepLoop:
         # model, is what the streams see, from there to its own tokens (with overlap, the next batch's
         # host work is inside it, as it is inside the inter-token gap).
         self._last_tokens_at: float | None = None
+        # On the CPU a launch runs the forward before returning: the time up to a batch's tokens is then
+        # spent on the batch launched just before them (with overlap, the next one), not on their own.
+        self._synchronous = self.runner.device.type == "cpu"
+        self._just_launched: StepShape | None = None
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None
@@ -102,6 +106,7 @@ class StepLoop:
                 self._last_tokens_at = time.perf_counter()
             elif batch is not None:
                 launched = self._launch(batch)
+                self._just_launched = StepShape.of(batch)
             if self.inflight is not None:
                 done += self._resolve()
             if launched is not None and launched.forwarded is not None:
@@ -223,9 +228,10 @@ class StepLoop:
                 self.scheduler.finish_if_done(req)
                 done.append(req)
         now = time.perf_counter()
-        if launched.shape is not None and self._last_tokens_at is not None:
-            self.scheduler.cost.observe(launched.shape, now - self._last_tokens_at)
-        self._last_tokens_at = now
+        shape = self._just_launched if self._synchronous else launched.shape
+        if shape is not None and self._last_tokens_at is not None:
+            self.scheduler.cost.observe(shape, now - self._last_tokens_at)
+        self._last_tokens_at, self._just_launched = now, None
         return done
 
     # ---- failure ---------------------------------------------------------------------------------
