@@ -86,6 +86,17 @@ class SchedulerConfig:
                                                     "--max-num-batched-tokens counts a step's decode tokens too; "
                                                     "here they come on top)", aliases=("max_num_batched_tokens",))
     enable_mixed_chunk: bool = option(False, "run prefill chunks and decodes in one MIXED batch")
+    # Latency targets (docs/scheduling.md): prefill chunks are sized from a step-cost model the engine
+    # fits from its own steps, so that running decodes keep their pace while prompts wait.
+    itl_target_ms: float | None = option(None, "inter-token latency the running requests should see while "
+                                               "prompts are prefilled: each step's prefill is sized to keep them "
+                                               "within it (default: none, prefill steps take --chunked-prefill-size)")
+    ttft_target_ms: float | None = option(None, "time to first token the goodput counters check; waiting 4 "
+                                                "targets raises a request one priority level, ahead of shorter "
+                                                "prompts (default: none; waiting ages as if it were 2000)")
+    step_cost_profile_steps: int | None = option(None, "synthetic steps timed at start-up to seed the step-cost "
+                                                       "model; 0 skips it (the model then learns from the first "
+                                                       "steps served) (default: 12 on GPU with --itl-target-ms, else 0)")
     random_seed: int | None = option(None, "seeds the draw of per-request seeds for requests without one")
     # Overlap scheduling: schedule and launch step N+1 while step N runs on the device, so host work
     # hides behind the GPU.

@@ -81,8 +81,18 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         chunk = 8192 if on_gpu else 2048
     if chunk != -1 and chunk < 1:
         raise ValueError(f"chunked_prefill_size must be -1 (off) or >= 1, got {chunk}")
+    for name in ("itl_target_ms", "ttft_target_ms"):
+        target = getattr(s, name)
+        if target is not None and not target > 0:
+            raise ValueError(f"{name} must be > 0 milliseconds (or unset), got {target}")
+    profile = s.step_cost_profile_steps
+    if profile is None:
+        profile = 12 if on_gpu and s.itl_target_ms is not None else 0  # the model serves the ITL target only
+    if profile < 0:
+        raise ValueError(f"step_cost_profile_steps must be >= 0 (0 skips the profile), got {profile}")
     scheduler = dataclasses.replace(
-        s, chunked_prefill_size=chunk, max_running_requests=s.max_running_requests or (1024 if on_gpu else 64))
+        s, chunked_prefill_size=chunk, max_running_requests=s.max_running_requests or (1024 if on_gpu else 64),
+        step_cost_profile_steps=profile)
 
     speculative = resolve_speculative(config.speculative, model_path, hf)
     if config.cuda_graph.cuda_graph_max_bs < 1:

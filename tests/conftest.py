@@ -2,7 +2,9 @@
 interpreter (set before any kestrel module that defines one is imported)."""
 import itertools
 import os
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import pytest
 import torch
@@ -46,15 +48,18 @@ class SchedulerDriver:
     scheduling launches the next batch between the two; `step` is a step without overlap."""
 
     def __init__(self, pool_tokens: int, context_length: int = 256, max_requests: int = 32,
-                 chunked_prefill_size: int = -1, token: int = 3, **config) -> None:
-        """`config`: the other SchedulerConfig fields (schedule_conservativeness, enable_mixed_chunk)."""
+                 chunked_prefill_size: int = -1, token: int = 3, clock: Callable[[], float] = time.monotonic,
+                 **config) -> None:
+        """`config`: the other SchedulerConfig fields (schedule_conservativeness, enable_mixed_chunk);
+        `clock`: the scheduler's (a simulated one makes waiting times exact)."""
         allocator = TokenToKVPoolAllocator(pool_tokens, 1, "cpu")
         config = SchedulerConfig(max_running_requests=max_requests, chunked_prefill_size=chunked_prefill_size,
                                  **config)
         # As in the engine, no request outgrows the pool: the length limit is the smaller of the two.
         self.max_req_len = min(context_length, pool_tokens)
         self.scheduler = Scheduler(config, allocator, RadixCache(allocator, 1),
-                                   ReqToTokenPool(max_requests, self.max_req_len + 1, "cpu"), set(), self.max_req_len)
+                                   ReqToTokenPool(max_requests, self.max_req_len + 1, "cpu"), set(), self.max_req_len,
+                                   clock=clock)
         self.token = token
         self._futures = itertools.count()
 

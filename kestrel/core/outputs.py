@@ -32,6 +32,8 @@ class EngineStats:
     num_evictable_tokens: int = 0  # KV slots holding unlocked radix-cache prefixes
     max_total_tokens: int = 0
     num_retractions: int = 0
+    # New prompt tokens of each step that prefilled, since the previous stats (the engine process fills it).
+    step_prefill_tokens: list[int] = field(default_factory=list)
 
     @property
     def token_usage(self) -> float:
@@ -46,3 +48,4 @@ class StepInfo:
     num_reqs: int
     num_tokens: int  # new tokens in the forward
     seconds: float
+    num_prefill_tokens: int = 0  # of those, new prompt tokens (prefill chunks)

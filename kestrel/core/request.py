@@ -51,6 +51,10 @@ class Request:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     grammar: Any = None  # kestrel.engine.grammar.GrammarState when params has a grammar
     spec_accept_counts: dict[int, int] = field(default_factory=dict)  # verify rounds by tokens committed
+    # Scheduler clock: first queued (kept through retraction, so waiting ages it), first given a forward.
+    queued_at: float | None = None
+    scheduled_at: float | None = None
+    prefilled_len: int = 0  # prompt tokens prefilled before its chunked prefill was paused (policy.py)
 
     @property
     def spec_rounds(self) -> int:

@@ -71,7 +71,7 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | dict[str, Any] | None = None
-    # The request's scheduling priority, as vLLM's: a lower value is served first; 0 by default.
+    # Scheduling priority, vLLM's sense: a lower value is admitted first, and retracted last (default 0).
     priority: int = 0
     stop_strs: list[str] = field(init=False, repr=False, default_factory=list)
 
@@ -109,14 +109,14 @@ class SamplingParams:
 
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             bad("max_new_tokens", "an integer >= 0")
+        if not _is_int(self.priority):
+            bad("priority", "an integer (lower runs first)")
         if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             bad("min_new_tokens", f"an integer in [0, max_new_tokens={self.max_new_tokens}]")
         if not _is_num(self.temperature) or self.temperature < 0:
             bad("temperature", f"a finite number >= 0 (below {GREEDY_BELOW_TEMPERATURE:g}: greedy)")
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "a number in (0, 1]")
-        if not _is_int(self.priority):
-            bad("priority", "an integer")
         if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             bad("top_k", "-1 (disabled) or an integer >= 1")
         if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:

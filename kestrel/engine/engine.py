@@ -27,6 +27,7 @@ from kestrel.engine.feature_rules import check_request
 from kestrel.engine.grammar import GrammarBackend, GrammarLimits, GrammarState
 from kestrel.engine.scheduler import Scheduler
 from kestrel.engine.step_loop import StepLoop
+from kestrel.engine.step_profile import profile_step_cost
 from kestrel.engine.tokenizer import eos_token_ids, load_tokenizer
 from kestrel.progress import progress_bar
 from kestrel.runner.build import build_runner
@@ -103,6 +104,8 @@ class Engine:
                                          self.eos_token_ids)
         device_step = DeviceStep(self.runner, self.sampler, self.vocab_size, self.eos_token_ids, self.device)
         self.loop = StepLoop(config, self.scheduler, device_step, self.spec_worker, self.ranks)
+        if sched.step_cost_profile_steps:
+            profile_step_cost(self, sched.step_cost_profile_steps)
 
     @property
     def max_req_len(self) -> int:

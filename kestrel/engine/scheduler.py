@@ -1,8 +1,11 @@
 """Continuous batching: waiting/running queues, chunked prefill, retraction, abort.
 
-Each step the scheduler picks one batch: new prefill work first (FCFS, within the chunked-prefill
-token budget), otherwise a decode step of every running request; with `enable_mixed_chunk` the
-decodes ride along with the prefill chunks in one MIXED batch. KV slots for the batch are allocated
+Each step the scheduler picks one batch: new prefill work first, otherwise a decode step of every
+running request; with `enable_mixed_chunk` the decodes ride along with the prefill chunks in one MIXED
+batch. Which prompts go first and how many prefill tokens a step may carry beside running decodes is
+the policy's (`policy.py`: priorities, shortest remaining prefill first, the ITL target, from the
+step-cost model the step loop fits, `step_cost.py`). One prefill at a time is chunked over steps; a
+shorter prompt that the policy puts first pauses it (its KV waits in the radix cache). KV slots for the batch are allocated
 here, before the forward (`request_kv.py` keeps each request's KV), and admission keeps room for the
 tokens the admitted requests will still need (`admission.py`).
 
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
+from typing import Callable
 
 from kestrel.cache.allocator import TokenToKVPoolAllocator
 from kestrel.cache.radix import RadixCache
@@ -30,7 +35,9 @@ from kestrel.core.forward_mode import ForwardMode
 from kestrel.core.request import Request, RequestStatus
 from kestrel.engine.admission import AdmissionBudget
 from kestrel.engine.finishing import Finishing
+from kestrel.engine.policy import SchedulePolicy
 from kestrel.engine.request_kv import RequestKV
+from kestrel.engine.step_cost import StepCostModel, StepShape
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +49,9 @@ RETRACT_HEADROOM_STEPS = 20
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: TokenToKVPoolAllocator, radix: RadixCache,
                  req_to_token: ReqToTokenPool, eos_token_ids: set[int], context_length: int,
-                 recompute_last_match: bool = False) -> None:
+                 recompute_last_match: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock
         self.allocator = allocator
         self.kv = RequestKV(allocator, radix, req_to_token, recompute_last_match)
         self.budget = AdmissionBudget(config, allocator.page_size)
@@ -55,9 +63,15 @@ class Scheduler:
         # Requests of a failed step, put back to run their prefill alone (`suspect`), until it resolves.
         self.suspects: set[Request] = set()
         self.num_retractions = 0
+        self.cost = StepCostModel()  # fitted by whoever times the steps (the step loop)
+        self.policy = SchedulePolicy(config, self.cost, clock)
+        # Predicted seconds of the prefill-only steps run since the running requests' last decode step.
+        self._gap_spent = 0.0
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        if req.queued_at is None:
+            req.queued_at = self.clock()
         bisect.insort(self.waiting, req, key=lambda r: r.arrival)
 
     def has_work(self) -> bool:
@@ -131,10 +145,14 @@ class Scheduler:
         suspect = self._schedule_suspect()
         if suspect is not None:
             return self._batch(ForwardMode.EXTEND, [suspect], 1)
-        prefill = self._schedule_prefill()
         mixed = self.config.enable_mixed_chunk and decode_tokens == 1
+        prefill = self._schedule_prefill(budget=self.policy.prefill_budget(self.running, mixed, self._gap_spent))
         if prefill and not (mixed and self.running):
-            return self._batch(ForwardMode.EXTEND, prefill, len(prefill))
+            batch = self._batch(ForwardMode.EXTEND, prefill, len(prefill))
+            if self.running and self.cost.fitted:  # the decodes wait for this step: it eats into their gap
+                self._gap_spent += self.cost.predict(StepShape.of(batch))
+            return batch
+        self._gap_spent = 0.0
         decode = self._schedule_decode(protected=prefill, tokens=decode_tokens)
         if prefill:
             return self._batch(ForwardMode.MIXED if decode else ForwardMode.EXTEND, prefill + decode, len(prefill))
@@ -170,15 +188,17 @@ class Scheduler:
         picked = self._schedule_prefill([req]) if req is not None else []
         return picked[0] if picked else None
 
-    def _schedule_prefill(self, candidates: list[Request] | None = None) -> list[Request]:
-        budget = self.config.chunked_prefill_size
-        budget = float("inf") if budget == -1 else budget
+    def _schedule_prefill(self, candidates: list[Request] | None = None, budget: int | None = None) -> list[Request]:
+        """Prefill chunks for this step, in the policy's order, within `budget` tokens (None: the
+        chunked-prefill size alone)."""
+        size = self.config.chunked_prefill_size
+        budget = min(float("inf") if size == -1 else size, float("inf") if budget is None else budget)
         picked: list[Request] = []
         if candidates is None:  # suspects run alone (`_schedule_suspect`)
-            candidates = [r for r in ([self.chunked] if self.chunked else []) + self.waiting if r not in self.suspects]
-        if not candidates:
+            candidates = self._prefill_order()
+        if not candidates or budget <= 0:
             return picked
-        running = self.budget.reserve_terms(self.running)  # the same for every candidate
+        running = self.budget.reserve_terms(self.running)
         rows = self.kv.req_to_token
         for req in candidates:
             is_new = req is not self.chunked
@@ -194,6 +214,11 @@ class Scheduler:
             first = not self.running and not picked
             need = self.allocator.tokens_needed(req.kv_len, take) if first else \
                 self.budget.tokens_to_come(running, picked + [req])
+            if take > 0 and need > self.kv.free_tokens() and is_new and self._preempt_for(req, need):
+                running = self.budget.reserve_terms(self.running)
+                first = not self.running and not picked
+                need = self.allocator.tokens_needed(req.kv_len, take) if first else \
+                    self.budget.tokens_to_come(running, picked + [req])
             if take <= 0 or need > self.kv.free_tokens():
                 if is_new:
                     self.kv.unmatch(req)
@@ -201,15 +226,41 @@ class Scheduler:
             if is_new:
                 self.waiting.remove(req)
                 self.kv.admit(req, cached_slots)
+                req.prefilled_len = 0
+                if req.scheduled_at is None:
+                    req.scheduled_at = self.clock()
             self.kv.allocate([req], [take])
             picked.append(req)
             budget -= take
             if take < remaining:
+                if self.chunked is not None and self.chunked is not req:
+                    self._pause(self.chunked)  # the policy put this one first: one chunked prefill at a time
                 self.chunked = req
                 break
             if req is self.chunked:
                 self.chunked = None
         return picked
+
+    def _prefill_order(self) -> list[Request]:
+        """Waiting requests and the chunked one, by the policy. Without a radix cache a paused prefill
+        would lose its KV, so the chunked one then keeps its place at the head."""
+        waiting = [r for r in self.waiting if r not in self.suspects]
+        chunked = [self.chunked] if self.chunked is not None and self.chunked not in self.suspects else []
+        if self.kv.radix.disabled:
+            return chunked + self.policy.order(waiting)
+        return self.policy.order(chunked + waiting)
+
+    def _preempt_for(self, req: Request, need: int) -> bool:
+        """Retract running requests of a lower priority than `req`, lowest first, until its `need` fits;
+        nothing is retracted unless all of them together would free enough. Returns whether any was."""
+        victims = self.policy.preemptible(req, self.running)
+        if not victims or need > self.kv.free_tokens() + sum(len(v.slots) - v.cached_len for v in victims):
+            return False
+        for victim in victims:
+            self._retract(victim)
+            if need <= self.kv.free_tokens():
+                break
+        return True
 
     def _schedule_decode(self, protected: list[Request], tokens: int) -> list[Request]:
         """Every running request gets `tokens` slots; requests are retracted when the pool cannot hold them."""
@@ -227,12 +278,12 @@ class Scheduler:
         """Retract until the running requests have room for RETRACT_HEADROOM_STEPS decode steps (a last
         one stays if it has room for one), then re-estimate the new-token ratio from those left.
 
-        The chunked prefill goes first, unless it got slots in this step (`protected`); then the requests
-        with the fewest generated tokens, which lose the least decoding, and of those the longest
-        prompts, which free the most."""
+        The chunked prefill goes first, unless it got slots in this step (`protected`); then the running
+        requests in the policy's retraction order (lowest priority, fewest generated tokens, longest
+        prompt)."""
         if self.chunked is not None and all(self.chunked is not p for p in protected):
             self._retract(self.chunked)
-        victims = sorted(self.running, key=lambda r: (r.num_generated, -len(r.prompt_ids)), reverse=True)
+        victims = sorted(self.running, key=self.policy.retraction_key, reverse=True)
         for steps, keep in ((RETRACT_HEADROOM_STEPS, 1), (1, 0)):
             need = self._decode_tokens(steps, tokens)
             while len(self.running) > keep and need > self.kv.free_tokens():
@@ -244,13 +295,21 @@ class Scheduler:
 
     def _retract(self, req: Request) -> None:
         """Put a request back in the waiting queue; its KV goes to the radix cache (evictable)."""
+        self._requeue(req)
+        self.num_retractions += 1
+
+    def _pause(self, req: Request) -> None:
+        """Stop the chunked prefill for a prompt the policy puts first; its chunks wait in the radix cache."""
+        req.prefilled_len = req.kv_len
+        self._requeue(req)
+
+    def _requeue(self, req: Request) -> None:
         if req is self.chunked:
             self.chunked = None
         else:
             self.running.remove(req)
         self.kv.release(req)
         req.status = RequestStatus.WAITING
-        self.num_retractions += 1
         self.add(req)
 
     # ---- after the forward ------------------------------------------------------------------

@@ -39,6 +39,7 @@ from kestrel.engine import prompt_logprobs
 from kestrel.engine.device_step import DeviceStep, Forwarded
 from kestrel.engine.grammar import GrammarBackend
 from kestrel.engine.scheduler import Scheduler
+from kestrel.engine.step_cost import StepShape
 from kestrel.sampling.sampler import PendingSample
 from kestrel.speculative.worker import SpeculativeWorker
 
@@ -59,6 +60,7 @@ class _Launched:
     forwarded: Forwarded | None = None
     prompt: prompt_logprobs.PendingPromptLogprobs | None = None
     prefill_only: list[Request] = dataclasses.field(default_factory=list)
+    shape: StepShape | None = None  # what the step-cost model is told the batch's time was spent on
 
 
 class StepLoop:
@@ -73,6 +75,14 @@ class StepLoop:
         self.grammars: GrammarBackend | None = None  # given by the engine with the first grammar request
         self.inflight: _Launched | None = None  # launched batch whose sampled tokens are not taken yet
         self.hooks: list[Callable[[StepInfo], None]] = []
+        # When the previous batch's tokens came (or the loop went busy): a batch's time, for the step-cost
+        # model, is what the streams see, from there to its own tokens (with overlap, the next batch's
+        # host work is inside it, as it is inside the inter-token gap).
+        self._last_tokens_at: float | None = None
+        # On the CPU a launch runs the forward before returning: the time up to a batch's tokens is then
+        # spent on the batch launched just before them (with overlap, the next one), not on their own.
+        self._synchronous = self.runner.device.type == "cpu"
+        self._just_launched: StepShape | None = None
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None
@@ -84,15 +94,19 @@ class StepLoop:
         batch: ScheduledBatch | None = None
         if self.ranks is not None:
             self.ranks.check()
+        if self.inflight is None:  # the loop may have been idle: nothing to time before now
+            self._last_tokens_at = start
         try:
             if self.inflight is not None and not self._can_overlap():
                 done += self._resolve()
             batch = self.scheduler.schedule(self._decode_tokens())
             launched = None
             if batch is not None and batch.mode is ForwardMode.TARGET_VERIFY:
-                done += self._verify(batch)  # resolved in the round itself
+                done += self._verify(batch)  # resolved in the round itself; not a shape the model knows
+                self._last_tokens_at = time.perf_counter()
             elif batch is not None:
                 launched = self._launch(batch)
+                self._just_launched = StepShape.of(batch)
             if self.inflight is not None:
                 done += self._resolve()
             if launched is not None and launched.forwarded is not None:
@@ -106,7 +120,8 @@ class StepLoop:
                 raise self.ranks.fatal(e) from e
             done += self._fail_step(batch, e)
         if batch is not None and self.hooks:
-            info = StepInfo(batch.mode.value, batch.batch_size, batch.num_tokens, time.perf_counter() - start)
+            info = StepInfo(batch.mode.value, batch.batch_size, batch.num_tokens, time.perf_counter() - start,
+                            sum(batch.extend_lens[:batch.num_prefill]))
             for hook in self.hooks:
                 hook(info)
         # A request can get tokens in two phases of one step: while speculating, the previous step's
@@ -165,6 +180,8 @@ class StepLoop:
         if prompt is not None or prefill_only:
             launched = launched or _Launched([], [], None)
             launched.prompt, launched.prefill_only = prompt, prefill_only
+        if launched is not None:
+            launched.shape = StepShape.of(batch)
         return launched
 
     def _sample(self, launched: _Launched) -> None:
@@ -210,6 +227,11 @@ class StepLoop:
             if not req.finished:  # an aborted one was reported when it was aborted
                 self.scheduler.finish_if_done(req)
                 done.append(req)
+        now = time.perf_counter()
+        shape = self._just_launched if self._synchronous else launched.shape
+        if shape is not None and self._last_tokens_at is not None:
+            self.scheduler.cost.observe(shape, now - self._last_tokens_at)
+        self._last_tokens_at, self._just_launched = now, None
         return done
 
     # ---- failure ---------------------------------------------------------------------------------

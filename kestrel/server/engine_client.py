@@ -63,7 +63,10 @@ class _Tracked:
     group: RequestGroup
     index: int
     arrival: float
+    priority: int
     last_token: float | None = None
+    first_token: float | None = None
+    tokens: int = 0
 
 
 class EngineLaunch:
@@ -180,7 +183,7 @@ class EngineClient:
         group = RequestGroup([r.rid for r in reqs])
         self._groups[group.id] = group
         for i, r in enumerate(reqs):
-            self._tracked[r.rid] = _Tracked(group, i, arrival)
+            self._tracked[r.rid] = _Tracked(group, i, arrival, r.params.priority)
         self._send(AddRequests(group.id, reqs))
         try:
             await group.admitted
@@ -290,12 +293,19 @@ class EngineClient:
             if tracked.last_token is None:
                 self.metrics.on_first_tokens(delta.prompt_tokens, delta.cached_tokens, now - tracked.arrival)
                 self.metrics.on_tokens(len(delta.token_ids), None)
+                tracked.first_token = now
             else:
                 self.metrics.on_tokens(len(delta.token_ids), now - tracked.last_token)
             tracked.last_token = now
+            tracked.tokens += len(delta.token_ids)
+        if delta.queue_time is not None:
+            self.metrics.on_queued(delta.queue_time)
         if delta.finished:
             del self._tracked[delta.rid]
             self.metrics.on_finish(delta.finish_reason or "abort", now - tracked.arrival)
+            if tracked.first_token is not None:
+                mean_itl = (tracked.last_token - tracked.first_token) / (tracked.tokens - 1) if tracked.tokens > 1 else None
+                self.metrics.on_targets(tracked.priority, tracked.first_token - tracked.arrival, mean_itl)
             if delta.spec_accept_histogram:
                 self.metrics.on_spec_rounds(delta.spec_accept_histogram)
         tracked.group.queue.put_nowait((tracked.index, delta))

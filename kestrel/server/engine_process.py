@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from kestrel.config import EngineConfig
+from kestrel.core.outputs import StepInfo
 from kestrel.core.request import Request
 from kestrel.distributed.errors import RankFailedError
 from kestrel.server.messages import (AbortRequests, AddRequests, Admission, EngineFailed, EngineReady,
@@ -79,6 +80,8 @@ class EngineLoop:
         self.stats_sent_idle = False
         self.compiling: dict[str, list[str]] = {}  # group -> its rids, while a grammar of it compiles
         self.rejected: list[str] = []  # aborted with their group's grammar: reported (and forgotten) next step
+        self.step_prefill_tokens: list[int] = []  # of the steps since the last stats
+        engine.add_step_hook(self._on_step)
 
     def run(self) -> None:
         try:
@@ -229,11 +232,18 @@ class EngineLoop:
             spec_accept_histogram=req.spec_accept_histogram if req.finished and req.spec_accept_counts else None,
             prompt_logprobs=req.prompt_logprobs if prompt else None,
             prompt_logprob_ranks=req.prompt_logprob_ranks if prompt else None,
-            prompt_top_logprobs=req.prompt_top_logprobs if prompt else None)
+            prompt_top_logprobs=req.prompt_top_logprobs if prompt else None,
+            queue_time=req.scheduled_at - req.queued_at if start == 0 and req.scheduled_at is not None else None)
 
     def _send_stats(self) -> None:
-        self.outbox.send(self.engine.stats())
+        stats = self.engine.stats()
+        stats.step_prefill_tokens, self.step_prefill_tokens = self.step_prefill_tokens, []
+        self.outbox.send(stats)
         self.last_stats = time.monotonic()
+
+    def _on_step(self, info: StepInfo) -> None:
+        if info.num_prefill_tokens:
+            self.step_prefill_tokens.append(info.num_prefill_tokens)
 
 
 # A token a grammar's mask (or min_tokens) rules out has logprob -inf, which JSON cannot carry. It is

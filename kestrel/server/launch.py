@@ -84,7 +84,8 @@ def serve(config: EngineConfig, served_model_names: Sequence[str] = ()) -> int:
         if tokenizer is not None:
             tokenization = Tokenization(tokenizer, server_config.tokenizer_pool_size)
             workers_started = tokenization.start()
-        metrics = ServerMetrics(name)
+        targets = config.scheduler.ttft_target_ms, config.scheduler.itl_target_ms
+        metrics = ServerMetrics(name, *(None if t is None else t / 1e3 for t in targets))
         try:
             client = EngineClient.launch(config, server_config.log_level, metrics)
         except EngineStartError as e:

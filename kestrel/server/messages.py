@@ -87,6 +87,8 @@ class TokenDelta:
     error: str | None = None  # the engine's message when finish_reason is "error" (a failed step)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # In a request's first delta: seconds from its arrival in the engine to its first forward.
+    queue_time: float | None = None
     # On a finished request's delta, with speculative decoding: entry k = verify rounds that committed k tokens.
     spec_accept_histogram: list[int] | None = None
 

@@ -1,8 +1,14 @@
 """Prometheus metrics, exported by the HTTP process at `/metrics`.
 
 Token counters and latency histograms are updated from the engine's output messages as they
-arrive; the gauges come from the engine's periodic `EngineStats`. Names follow SGLang's
-(`sglang:num_running_reqs` → `kestrel:num_running_reqs`) so existing dashboards carry over.
+arrive; the gauges come from the engine's periodic `EngineStats`, and so do the per-step prefill
+tokens. Names follow SGLang's (`sglang:num_running_reqs` → `kestrel:num_running_reqs`) so existing
+dashboards carry over.
+
+Goodput: each finished request that produced a token counts in `kestrel:requests_within_targets`
+(labels `priority` and `outcome` "met" / "missed") against the engine's targets: its TTFT within
+--ttft-target-ms and its mean inter-token latency within --itl-target-ms, each where set (with
+neither set every request counts as met).
 `kestrel:engine_alive` is 0 while the engine process is dead (until its restart has loaded the
 model), and the engine's gauges then read 0 rather than its last values: nothing runs.
 """
@@ -18,6 +24,7 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 _ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 _ACCEPT_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
+_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -26,7 +33,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class ServerMetrics:
     """One registry per server (not the process-global one), so several apps can live in one process."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, ttft_target_s: float | None = None, itl_target_s: float | None = None) -> None:
         disable_created_metrics()  # no `_created` series next to every counter: noise for dashboards
         self.registry = registry = CollectorRegistry()
         labels = ["model_name"]
@@ -58,6 +65,14 @@ class ServerMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token", _TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token", _E2E_BUCKETS)
+        self.queue_time = histogram("queue_time_seconds", "Time from arrival in the engine to its first forward",
+                                    _TTFT_BUCKETS)
+        self.step_prefill = histogram("prefill_tokens_per_step", "New prompt tokens of each engine step that "
+                                      "prefilled", _PREFILL_BUCKETS)
+        self._targets = ttft_target_s, itl_target_s
+        self._within = Counter("kestrel:requests_within_targets", "Finished requests that produced a token, by "
+                               "priority and whether they met the TTFT and ITL targets (goodput)",
+                               labels + ["priority", "outcome"], registry=registry)
         self.spec_rounds = histogram("spec_accept_length_per_round", "Tokens a speculative verify round committed "
                                      "(accepted drafts + the bonus), counted when the request finishes", _ACCEPT_BUCKETS)
         self.spec_accept_length = gauge("spec_accept_length", "Mean tokens per speculative verify round, over the "
@@ -76,6 +91,11 @@ class ServerMetrics:
         self.num_waiting.set(stats.num_waiting)
         self.token_usage.set(stats.token_usage)
         self.num_used_tokens.set(stats.num_used_tokens)
+        for tokens in stats.step_prefill_tokens:
+            self.step_prefill.observe(tokens)
+
+    def on_queued(self, seconds: float) -> None:
+        self.queue_time.observe(seconds)
 
     def on_first_tokens(self, prompt_tokens: int, cached_tokens: int, ttft: float) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -95,6 +115,13 @@ class ServerMetrics:
     def on_finish(self, finish_reason: str, e2e: float) -> None:
         self._requests.labels(self._model_name, finish_reason).inc()
         self.e2e.observe(e2e)
+
+    def on_targets(self, priority: int, ttft: float, mean_itl: float | None) -> None:
+        """A finished request's TTFT and mean inter-token latency (None: one token) against the targets."""
+        ttft_target, itl_target = self._targets
+        met = (ttft_target is None or ttft <= ttft_target) and \
+            (itl_target is None or mean_itl is None or mean_itl <= itl_target)
+        self._within.labels(self._model_name, str(priority), "met" if met else "missed").inc()
 
     def on_spec_rounds(self, histogram: list[int]) -> None:
         """A finished request's verify rounds: entry k counts the rounds that committed k tokens."""

@@ -56,6 +56,7 @@ class _OpenAISampling(_Body):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    priority: int = 0  # vLLM's: a lower value is scheduled first (docs/scheduling.md)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or SGLang's extra fields
     # (at most one of them all).
     response_format: dict[str, Any] | None = None
@@ -67,7 +68,6 @@ class _OpenAISampling(_Body):
     # tokens named "token_id:N" rather than by their text.
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool | None = None
-    priority: int = 0  # scheduling: a lower value is served first (vLLM's)
 
     def _check(self) -> None:
         if self.temperature is not None and not 0 <= self.temperature <= OPENAI_MAX_TEMPERATURE:
@@ -222,7 +222,7 @@ class GenerateRequest(_Body):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # with return_logprob, >= 0: the prompt's logprobs from this position on
-    priority: int | None = None  # scheduling (SamplingParams.priority); None: sampling_params' or 0
+    priority: int | None = None  # SGLang's place for it; sampling_params.priority is the same field
 
 
 # ---- prompts ------------------------------------------------------------------------------------

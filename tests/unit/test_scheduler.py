@@ -148,10 +148,13 @@ def test_admission_stops_at_max_running_requests_and_at_the_prompt_that_does_not
     a, b, c = (driver.add(rid, [30 + i] * 10, 4, arrival=i) for i, rid in enumerate("abc"))
     batch = driver.step()
     assert batch.reqs == [a, b] and driver.scheduler.waiting == [c]
-    # FCFS: a long prompt that does not fit blocks the short one behind it.
+    # A prompt that does not fit blocks those after it in the policy's order (shortest prompt first, at
+    # one priority): the shorter "long" goes before "longer", and "longer" is not admitted past it.
     driver = SchedulerDriver(64, schedule_conservativeness=0)
     first = driver.add("first", [1] * 40, 8, arrival=0)
-    long = driver.add("long", [2] * 30, 8, arrival=1)
-    short = driver.add("short", [3] * 4, 8, arrival=2)
     assert driver.step().reqs == [first]
-    assert driver.scheduler.waiting == [long, short]
+    longer = driver.add("longer", [2] * 30, 8, arrival=1)
+    long = driver.add("long", [3] * 24, 8, arrival=2)
+    assert driver.step().reqs == [first]
+    assert driver.scheduler.waiting == [longer, long]
+    assert driver.scheduler._prefill_order() == [long, longer]
