@@ -213,7 +213,11 @@ def new_tool_use_id() -> str:
 
 
 def _stop(answer: ChatAnswer, c: Choice) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a finished choice."""
+    """(stop_reason, stop_sequence) of a finished choice. The Messages API has no stop reason for a request
+    the server gave up (shutting down, or aborted): that is an error, as Anthropic answers an overload."""
+    if answer.finish_reason == "abort":
+        raise APIError(503, "the request was aborted before it finished (the server is shutting down, or it "
+                            "was aborted); send it again")
     if answer.finish_reason == "tool_calls" or answer.calls and answer.finish_reason == "stop":
         return "tool_use", None
     if answer.finish_reason == "length":

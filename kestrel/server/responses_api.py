@@ -29,6 +29,8 @@ from kestrel.server.state import ServerState, parse_body, respond
 _API_NAMES = {"max_new_tokens": "max_output_tokens"}  # SamplingParams field -> the Responses API's
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _REASONING_PARTS = ("reasoning_text", "summary_text")
+ABORTED = {"code": "server_error", "message": "the request was aborted before it finished (the server is shutting "
+                                              "down, or it was aborted); send it again"}
 
 
 class FunctionTool(_Body):
@@ -303,10 +305,10 @@ async def create(state: ServerState, request: Request) -> Response:
 
     def finished(output: list[dict[str, Any]]) -> dict[str, Any]:
         """The whole response, stored unless store is false."""
-        incomplete = choice.finish_reason == "length"
         usage = gen.usage()
-        response = {**head, "status": "incomplete" if incomplete else "completed", "output": output,
-                    "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        response = {**head, "status": status(), "output": output,
+                    "incomplete_details": {"reason": "max_output_tokens"} if status() == "incomplete" else None,
+                    "error": ABORTED if status() == "failed" else None,
                     "usage": {"input_tokens": usage["prompt_tokens"],
                               "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
                               "output_tokens": usage["completion_tokens"],
@@ -317,7 +319,8 @@ async def create(state: ServerState, request: Request) -> Response:
         return response
 
     def status() -> str:
-        return "incomplete" if choice.finish_reason == "length" else "completed"
+        """"failed" for a request the server gave up (shutting down, or aborted): not a whole answer."""
+        return {"length": "incomplete", "abort": "failed"}.get(choice.finish_reason, "completed")
 
     stream = _Events()
 
@@ -328,11 +331,10 @@ async def create(state: ServerState, request: Request) -> Response:
         async for update in gen.updates():
             for event in stream.add(turn.delta(update)):
                 yield event
-        for event in stream.close(status()):
+        for event in stream.close("completed" if status() == "completed" else "incomplete"):
             yield event
         response = finished(stream.items)
-        yield stream.event("response.completed" if response["status"] == "completed" else "response.incomplete",
-                           response=response)
+        yield stream.event(f"response.{response['status']}", response=response)
 
     def error_event(e: APIError) -> tuple[str, dict]:
         return stream.event("error", code=e.code or e.type, message=e.message, param=e.param)

@@ -20,7 +20,9 @@ RULES = [
     ("think", "<think>A short question.</think>Paris is the capital."),
     ("weather", "<think>Call the tool.</think>" + WEATHER_CALL),
     ("<|tool|>", "It is sunny in Oslo."),
+    ("abort", "Cut short by the server"),  # finishes "abort" after ABORT_AFTER tokens (a server shutting down)
 ]
+ABORT_AFTER = 2
 
 
 def answer_for(prompt: str) -> str:
@@ -45,11 +47,14 @@ def scripted_engine(tokenizer, seen: list):
                 prompt = tokenizer.decode(r.prompt_ids, skip_special_tokens=False)
                 seen.append((prompt, r.params))
                 ids = tokenizer.encode(answer_for(prompt), add_special_tokens=False)[:r.params.max_new_tokens]
+                aborted = "abort" in prompt
+                ids = ids[:ABORT_AFTER] if aborted else ids
                 for i, token in enumerate(ids):
                     text = tokenizer.decode(ids[:i + 1])
                     stop = next((s for s in r.params.stop_strs if s in text), None)
                     last = i == len(ids) - 1 or stop is not None
-                    finish = None if not last else "stop" if stop or len(ids) < r.params.max_new_tokens else "length"
+                    finish = None if not last else "abort" if aborted else \
+                        "stop" if stop or len(ids) < r.params.max_new_tokens else "length"
                     outbox.send(StepOutput([TokenDelta(r.rid, [token], finished=last, finish_reason=finish,
                                                        matched_stop=stop, prompt_tokens=len(r.prompt_ids))]))
                     if last:

@@ -55,6 +55,22 @@ def test_text_streamed_or_not_and_stop_sequences(tokenizer):
     assert (params.temperature, params.top_p, params.top_k, params.max_new_tokens) == (0.5, 0.9, 5, 2)
 
 
+def test_a_message_the_server_gives_up_is_an_error(tokenizer):
+    """A request the engine aborts (a server shutting down) is an overloaded error, whole or streamed:
+    the Messages API has no stop reason that says the answer was cut by the server."""
+    async def scenario(http) -> None:
+        client = client_of(http)
+        ask = dict(model="fake", max_tokens=64, messages=[{"role": "user", "content": "abort please"}])
+        with pytest.raises(anthropic.APIStatusError, match="aborted") as whole:
+            await client.messages.create(**ask)
+        assert whole.value.status_code == 503
+        with pytest.raises(anthropic.APIStatusError, match="aborted"):
+            async with client.messages.stream(**ask) as stream:
+                await stream.get_final_message()
+
+    serve(tokenizer, scenario, httpx2)
+
+
 def test_tool_use_round_trip_with_thinking(tokenizer):
     async def scenario(http) -> None:
         client = client_of(http)

@@ -55,6 +55,18 @@ def test_text_streamed_or_not_and_retrieve(tokenizer):
     assert seen[0][1].temperature == 0.5 and seen[2][1].max_new_tokens == 2
 
 
+def test_a_response_the_server_gives_up_fails(tokenizer):
+    """A request the engine aborts (a server shutting down) is a failed response, not a completed one."""
+    async def scenario(http) -> None:
+        client = client_of(http)
+        out = await client.responses.create(model="fake", input="abort please")
+        assert (out.status, out.error.code) == ("failed", "server_error") and "aborted" in out.error.message
+        kinds = [event.type async for event in await client.responses.create(model="fake", input="abort", stream=True)]
+        assert kinds[-1] == "response.failed" and "response.completed" not in kinds
+
+    serve(tokenizer, scenario)
+
+
 def test_function_call_round_trip_with_reasoning(tokenizer):
     async def scenario(http) -> None:
         client = client_of(http)
