@@ -49,6 +49,18 @@ class MergedLinear(nn.Linear):
         return None if self.slices is None else self.slices[shard_id]
 
 
+class ColumnParallelLinear(nn.Linear):
+    """y = x W^T with W's output rows split over the ranks: this rank holds the rows `part` of the
+    checkpoint tensor (its heads of a projection split by heads)."""
+
+    def __init__(self, in_features: int, part: Slice, bias: bool) -> None:
+        super().__init__(in_features, part.length, bias=bias)
+        self.part = part
+
+    def checkpoint_slice(self, param_name: str, shard_id: int | None) -> Slice:
+        return self.part
+
+
 class RowParallelLinear(nn.Linear):
     """y = x W^T + b with W split by input columns: each rank multiplies its slice of x (the output of
     a column-parallel layer, split the same way), the partial products are summed over the ranks, and

@@ -78,6 +78,20 @@ def test_gpt_oss_tp2_and_ep2_tokens_equal_tp1(tmp_path, ep_size):
     assert run(model, prompts, params, tp_size=2, ep_size=ep_size, **options) == one
 
 
+@pytest.mark.parametrize("ep_size", [1, 2], ids=["experts-width-split", "experts-split"])
+def test_deepseek_v3_tp2_and_ep2_tokens_equal_tp1(tmp_path, ep_size):
+    """DeepSeek-V3 at --tp-size 2: MLA heads split, the latent cache whole on every rank, q LoRA and the
+    latent projections replicated, grouped sigmoid routing, a dense layer and the shared expert."""
+    from tests.model.dsv3_tiny import make_dsv3
+
+    model = str(make_dsv3(tmp_path / "dsv3"))
+    prompts = [[5, 17, 99, 3, 64, 2, 120, 9, 31], [45, 7, 7, 31, 88, 11, 0, 54, 23], [5, 17, 99, 3, 64, 8]]
+    params = [GREEDY] * 2 + [SAMPLED]
+    options = dict(chunked_prefill_size=4)
+    one = run(model, prompts, params, **options)
+    assert run(model, prompts, params, tp_size=2, ep_size=ep_size, **options) == one
+
+
 def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(tiny_model):
     import os
     import signal

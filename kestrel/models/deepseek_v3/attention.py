@@ -16,7 +16,7 @@ from torch import nn
 
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.distributed.parallel_state import ParallelState
-from kestrel.layers.linear import MergedLinear, Slice, row_parallel_linear
+from kestrel.layers.linear import ColumnParallelLinear, Slice, row_parallel_linear
 from kestrel.layers.mla import MLAAttention
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import RotaryEmbedding
@@ -38,7 +38,7 @@ def by_heads(in_features: int, all_heads: int, rows_per_head: int, parallel: Par
     slices = head_rows(all_heads, rows_per_head, parallel)
     if slices is None:
         return nn.Linear(in_features, all_heads * rows_per_head, bias=False)
-    return MergedLinear(in_features, [all_heads * rows_per_head], bias=False, slices=slices)
+    return ColumnParallelLinear(in_features, slices[0], bias=False)
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
