@@ -78,6 +78,11 @@ def test_segmented_forward_equals_eager(tiny_model, arch):
         engine.add_request(prompt_token_ids=long_prompt[::-1], sampling_params=params)
         while engine.has_work():
             engine.step()
+        # Alone, so that the step stays within the buckets whatever order the scheduler picked above.
+        engine.add_request(prompt_token_ids=prompts[3] + [5, 6], sampling_params=dataclasses.replace(params,
+                                                                                                   prompt_logprobs=1))
+        while engine.has_work():
+            engine.step()
         assert all(engine.request(r).finished for r in first)
         assert_pool_full(engine)
     served = [s for s in seen if s[-1] is None]
