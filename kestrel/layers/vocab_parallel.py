@@ -54,3 +54,21 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size
     """float32 logits [N, vocab] from this rank's rows of the head `weight`, the same on every rank."""
     local = F.linear(hidden, weight).float()
     return parallel.all_gather_last(local)[:, :vocab_size]
+
+
+def untied_lm_head(hidden_size: int, vocab_size: int, tied: bool, parallel: ParallelState) -> nn.Module | None:
+    """The `lm_head` of a model: None when tied (the logits reuse the embedding), else this rank's rows."""
+    if tied:
+        return None
+    if parallel.tp_size == 1:
+        return nn.Linear(hidden_size, vocab_size, bias=False)
+    return VocabParallelHead(vocab_size, hidden_size, parallel)
+
+
+def lm_logits(hidden: torch.Tensor, embedding: nn.Module, lm_head: nn.Module | None, vocab_size: int,
+              parallel: ParallelState) -> torch.Tensor:
+    """float32 logits [N, vocab] through the untied head, or the embedding's weight when tied."""
+    weight = embedding.weight if lm_head is None else lm_head.weight
+    if parallel.tp_size > 1:
+        return vocab_parallel_logits(hidden, weight, vocab_size, parallel)
+    return F.linear(hidden, weight).float()

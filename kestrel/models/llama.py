@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kestrel.cache.kv_layout import KVLayout
@@ -19,7 +18,7 @@ from kestrel.layers.activation import SiluAndMul
 from kestrel.layers.attention import AttentionLayer
 from kestrel.layers.kernels import Kernels
 from kestrel.layers.linear import MergedLinear, attention_heads, column_slices, qkv_slices, row_parallel_linear
-from kestrel.layers.vocab_parallel import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_logits
+from kestrel.layers.vocab_parallel import VocabParallelEmbedding, lm_logits, untied_lm_head
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import RotaryEmbedding
 from kestrel.models.arch_config import ArchConfig, parse_arch_config
@@ -173,11 +172,7 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ArchConfig, kernels: Kernels = Kernels(), parallel: ParallelState = ParallelState()) -> None:
         super().__init__(cfg, parallel)
         self.model = LlamaModel(cfg, kernels, parallel, lambda i: self.layer_mlp(i, kernels))
-        # Tied checkpoints reuse the embedding; no separate lm_head parameter is created.
-        self.lm_head = None
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if parallel.tp_size == 1 else \
-                VocabParallelHead(cfg.vocab_size, cfg.hidden_size, parallel)
+        self.lm_head = untied_lm_head(cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings, parallel)
 
     def layer_mlp(self, layer_id: int, kernels: Kernels) -> nn.Module:
         """Layer `layer_id`'s feed-forward sublayer (a MoE family's override places its MoE layers)."""
@@ -200,7 +195,4 @@ class LlamaForCausalLM(CausalLM):
         return KVLayout.full_attention(cfg.num_hidden_layers, kv_heads, cfg.head_dim, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.parallel.tp_size > 1:
-            return vocab_parallel_logits(hidden, weight, self.config.vocab_size, self.parallel)
-        return F.linear(hidden, weight).float()
+        return lm_logits(hidden, self.model.embed_tokens, self.lm_head, self.config.vocab_size, self.parallel)

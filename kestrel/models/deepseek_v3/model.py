@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kestrel.cache.kv_layout import KVLayout
@@ -25,7 +24,7 @@ from kestrel.layers.linear import MergedLinear, column_slices, row_parallel_line
 from kestrel.layers.moe import MoE
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import RotaryEmbedding
-from kestrel.layers.vocab_parallel import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_logits
+from kestrel.layers.vocab_parallel import VocabParallelEmbedding, lm_logits, untied_lm_head
 from kestrel.models.base import CausalLM
 from kestrel.models.deepseek_v3.attention import V3Attention
 from kestrel.models.deepseek_v3.config import V3Config, parse_v3_config
@@ -101,10 +100,7 @@ class DeepseekV3ForCausalLM(CausalLM):
     def __init__(self, cfg: V3Config, kernels: Kernels = Kernels(), parallel: ParallelState = ParallelState()) -> None:
         super().__init__(cfg, parallel)
         self.model = V3Model(cfg, kernels, parallel)
-        self.lm_head = None
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if parallel.tp_size == 1 else \
-                VocabParallelHead(cfg.vocab_size, cfg.hidden_size, parallel)
+        self.lm_head = untied_lm_head(cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings, parallel)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.model(input_ids, positions, batch)
@@ -118,10 +114,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         return KVLayout.latent_attention(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.parallel.tp_size > 1:
-            return vocab_parallel_logits(hidden, weight, self.config.vocab_size, self.parallel)
-        return F.linear(hidden, weight).float()
+        return lm_logits(hidden, self.model.embed_tokens, self.lm_head, self.config.vocab_size, self.parallel)
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
         """The MTP layers' tensors (`model.layers.{num_hidden_layers + j}.*`): a NEXTN draft's, not the target's."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kestrel.cache.kv_layout import KVLayout
@@ -22,7 +21,7 @@ from kestrel.layers.linear import MergedLinear, attention_heads, qkv_slices, row
 from kestrel.layers.moe import MoE
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import RotaryEmbedding
-from kestrel.layers.vocab_parallel import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_logits
+from kestrel.layers.vocab_parallel import VocabParallelEmbedding, lm_logits, untied_lm_head
 from kestrel.models.base import CausalLM
 from kestrel.models.gpt_oss.config import GptOssConfig, parse_gpt_oss_config
 from kestrel.models.gpt_oss.loading import GPT_OSS_EXPERTS, RENAMES, STACKED_PARAMS
@@ -106,10 +105,7 @@ class GptOssForCausalLM(CausalLM):
     def __init__(self, cfg: GptOssConfig, kernels: Kernels = Kernels(), parallel: ParallelState = ParallelState()) -> None:
         super().__init__(cfg, parallel)
         self.model = GptOssModel(cfg, kernels, parallel)
-        self.lm_head = None
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if parallel.tp_size == 1 else \
-                VocabParallelHead(cfg.vocab_size, cfg.hidden_size, parallel)
+        self.lm_head = untied_lm_head(cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings, parallel)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.model(input_ids, positions, batch)
@@ -125,10 +121,7 @@ class GptOssForCausalLM(CausalLM):
         return KVLayout.full_attention(cfg.num_hidden_layers, kv_heads, cfg.head_dim, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.parallel.tp_size > 1:
-            return vocab_parallel_logits(hidden, weight, self.config.vocab_size, self.parallel)
-        return F.linear(hidden, weight).float()
+        return lm_logits(hidden, self.model.embed_tokens, self.lm_head, self.config.vocab_size, self.parallel)
 
     def checkpoint_name(self, name: str) -> str:
         for old, new in RENAMES:
