@@ -90,6 +90,9 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         profile = 12 if on_gpu and s.itl_target_ms is not None else 0  # the model serves the ITL target only
     if profile < 0:
         raise ValueError(f"step_cost_profile_steps must be >= 0 (0 skips the profile), got {profile}")
+    if profile and s.itl_target_ms is None:
+        raise ValueError("step_cost_profile_steps seeds the step-cost model that only --itl-target-ms uses; set a "
+                         "target, or leave the profile unset")
     scheduler = dataclasses.replace(
         s, chunked_prefill_size=chunk, max_running_requests=s.max_running_requests or (1024 if on_gpu else 64),
         step_cost_profile_steps=profile)

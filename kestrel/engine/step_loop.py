@@ -83,6 +83,8 @@ class StepLoop:
         # spent on the batch launched just before them (with overlap, the next one), not on their own.
         self._synchronous = self.runner.device.type == "cpu"
         self._just_launched: StepShape | None = None
+        # Only an ITL target reads the model: without one, no step's shape or time is recorded.
+        self._timed = config.scheduler.itl_target_ms is not None
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None
@@ -106,7 +108,7 @@ class StepLoop:
                 self._last_tokens_at = time.perf_counter()
             elif batch is not None:
                 launched = self._launch(batch)
-                self._just_launched = StepShape.of(batch)
+                self._just_launched = StepShape.of(batch) if self._timed else None
             if self.inflight is not None:
                 done += self._resolve()
             if launched is not None and launched.forwarded is not None:
@@ -180,7 +182,7 @@ class StepLoop:
         if prompt is not None or prefill_only:
             launched = launched or _Launched([], [], None)
             launched.prompt, launched.prefill_only = prompt, prefill_only
-        if launched is not None:
+        if launched is not None and self._timed:
             launched.shape = StepShape.of(batch)
         return launched
 

@@ -322,3 +322,14 @@ def test_one_call_decode_equals_the_per_request_loop(tiny_model, monkeypatch):
     for got, want in zip(batched, logprobs()):
         assert [t for _, t in got] == [t for _, t in want]
         assert max(abs(a - b) for (a, _), (b, _) in zip(got, want)) < 1e-4
+
+
+@pytest.mark.parametrize("itl_target_ms", [None, 500.0], ids=["no-target", "target"])
+def test_the_step_cost_model_learns_only_for_an_itl_target(tiny_model, itl_target_ms):
+    """With --itl-target-ms each step's shape and time feed the step-cost model; without one the decode
+    loop records nothing (no host work for a model nobody reads)."""
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    with Engine(model=tiny_model(), device="cpu", dtype="float32", itl_target_ms=itl_target_ms) as engine:
+        engine.generate(prompt_token_ids=[[5, 6, 7, 8], [9, 10, 11]], sampling_params=params, use_tqdm=False)
+        seen = engine.scheduler.cost.observations
+    assert (seen > 10) if itl_target_ms is not None else seen == 0
