@@ -13,8 +13,8 @@ import gc
 
 import torch
 
-from kestrel.bench.common import (StepRecorder, add_random_dataset_flags, engine_from_args, now, random_dataset,
-                                  report, warm_up_workload)
+from kestrel.bench.common import (StepRecorder, add_random_dataset_flags, copy_bandwidth, decode_read_bytes,
+                                  engine_from_args, kv_read_bytes, now, random_dataset, report, warm_up_workload)
 from kestrel.bench.profile import add_profile_flag, profiled
 from kestrel.cli import add_engine_flags
 from kestrel.core.sampling_params import SamplingParams
@@ -31,6 +31,22 @@ def run_kestrel(engine, prompts: list[list[int]], out_lens: list[int]) -> dict:
     return {"elapsed_s": elapsed, "output_tokens": generated, "input_tokens": sum(map(len, prompts)),
             "output_tok_per_s": generated / elapsed, "total_tok_per_s": (generated + sum(map(len, prompts))) / elapsed,
             "retractions": engine.scheduler.num_retractions}
+
+
+def decode_floor(engine, recorder: StepRecorder, prompts: list[list[int]], out_lens: list[int],
+                 bandwidth: float) -> dict:
+    """The decode steps' physical floor: the weights each step reads at its batch size plus the KV every
+    decoded token reads (a request's token t past the first attends over its prompt and t tokens), over
+    the measured copy bandwidth, against the decode steps' measured seconds. Prefill is compute-bound
+    and left out."""
+    model, weights_by_batch = engine.runner.model, {}
+    decode = [s for s in recorder.steps if s[0] == "DECODE"]
+    weights = sum(weights_by_batch.setdefault(n, decode_read_bytes(model, n)) for _, n, _, _ in decode)
+    kv_tokens = sum(len(p) * (m - 1) + m * (m - 1) // 2 for p, m in zip(prompts, out_lens))
+    kv = kv_read_bytes(engine, kv_tokens)
+    floor, seconds = (weights + kv) / bandwidth, sum(s[3] for s in decode)
+    return {"weight_bytes_read": weights, "kv_bytes_read": kv, "floor_s": floor, "decode_seconds": seconds,
+            "fraction_of_floor": floor / seconds if seconds else None}
 
 
 def run_transformers(model_path: str, dtype: torch.dtype, device: torch.device, prompts: list[list[int]],
@@ -79,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
                   "kestrel": run_kestrel(engine, prompts, out_lens)}
     result["kestrel"]["steps"] = recorder.summary()
     recorder.detach()
+    if (bandwidth := copy_bandwidth(engine.device)) is not None:
+        result["kestrel"]["decode_floor"] = decode_floor(engine, recorder, prompts, out_lens, bandwidth)
     rows = [("prompts", args.num_prompts),
             ("input / output tokens", f"{result['kestrel']['input_tokens']} / {result['kestrel']['output_tokens']}"),
             ("elapsed (s)", result["kestrel"]["elapsed_s"]),
@@ -88,6 +106,11 @@ def main(argv: list[str] | None = None) -> None:
     for mode, s in result["kestrel"]["steps"].items():
         rows.append((f"{mode} steps", f"{s['steps']} steps, {s['seconds']:.2f} s, {s['tokens']} tokens, "
                                       f"{s['mean_requests']:.1f} requests/step, median {s['median_step_ms']:.2f} ms"))
+    if floor := result["kestrel"].get("decode_floor"):
+        rows += [("decode floor: weights + KV read / copy bw (s)", floor["floor_s"]),
+                 ("decode steps vs that floor", f"{100 * floor['fraction_of_floor']:.1f}% of it "
+                                                f"(KV {floor['kv_bytes_read'] / 1e12:.2f} TB, weights "
+                                                f"{floor['weight_bytes_read'] / 1e12:.2f} TB)")]
     if args.transformers_batch_size:
         device, dtype = engine.device, getattr(torch, engine.config.model.dtype)
         model_path = engine.config.model.model

@@ -19,8 +19,8 @@ from contextlib import nullcontext
 
 import torch
 
-from kestrel.bench.common import (copy_bandwidth, decode_read_bytes, engine_from_args, median, now, random_prompts,
-                                  report, weight_bytes)
+from kestrel.bench.common import (copy_bandwidth, decode_read_bytes, engine_from_args, kv_read_bytes, median, now,
+                                  random_prompts, report, weight_bytes)
 from kestrel.bench.plot import check_plot_available, plot_sweep
 from kestrel.bench.profile import add_profile_flag, profiled
 from kestrel.cli import add_engine_flags
@@ -90,9 +90,12 @@ def measure(engine, args: argparse.Namespace, batch_size: int, bandwidth: float 
     decode_forwards = len(result["decode_steps_s"])
     decode_gpu = median(forward_ms[-decode_forwards:]) / 1e3 if forward_ms else None
     prefill_gpu = sum(forward_ms[:len(forward_ms) - decode_forwards]) / 1e3 if forward_ms else None
-    wbytes, read_bytes = weight_bytes(engine.runner.model), decode_read_bytes(engine.runner.model)
+    wbytes, read_bytes = weight_bytes(engine.runner.model), decode_read_bytes(engine.runner.model, batch_size)
+    # The median decode step's requests hold input_len + output_len / 2 tokens each.
+    kv_bytes = kv_read_bytes(engine, batch_size * (args.input_len + args.output_len // 2))
     floor = wbytes / bandwidth if bandwidth else None
     read_floor = read_bytes / bandwidth if bandwidth else None
+    kv_floor = (read_bytes + kv_bytes) / bandwidth if bandwidth else None
     summary = {
         "model": engine.config.model.model, "device": str(device), "dtype": engine.config.model.dtype,
         "batch_size": batch_size, "input_len": args.input_len, "output_len": args.output_len,
@@ -104,6 +107,8 @@ def measure(engine, args: argparse.Namespace, batch_size: int, bandwidth: float 
         "decode_fraction_of_floor": floor / step if floor else None,
         "decode_read_bytes": read_bytes, "decode_read_floor_s": read_floor,
         "decode_fraction_of_read_floor": read_floor / step if read_floor else None,
+        "decode_kv_read_bytes": kv_bytes, "decode_weight_kv_floor_s": kv_floor,
+        "decode_fraction_of_weight_kv_floor": kv_floor / step if kv_floor else None,
         "decode_forward_gpu_median_s": decode_gpu,
         "decode_cpu_share": 1 - decode_gpu / step if decode_gpu else None,
         "attention_backend": engine.runner.attn_backend.name,
@@ -131,7 +136,9 @@ def rows_of(summary: dict) -> list[tuple[str, object]]:
         rows += [("floor: weights / copy bw (ms)", floor * 1e3),
                  ("decode vs floor", f"{100 * floor / step:.1f}% of the floor"),
                  ("floor: weights a step reads / copy bw (ms)", read_floor * 1e3),
-                 ("decode vs that floor", f"{100 * read_floor / step:.1f}% of it")]
+                 ("decode vs that floor", f"{100 * read_floor / step:.1f}% of it"),
+                 ("floor: those weights + the KV a step reads (ms)", summary["decode_weight_kv_floor_s"] * 1e3),
+                 ("decode vs weights + KV floor", f"{100 * summary['decode_weight_kv_floor_s'] / step:.1f}% of it")]
     return rows
 
 

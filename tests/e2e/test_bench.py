@@ -5,6 +5,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from kestrel.bench.common import random_lengths
 from kestrel.cli import main
 from tests.e2e.server_process import ServerProcess
@@ -66,6 +68,47 @@ def test_a_tied_embedding_is_read_whole_by_a_decode_step(tiny_model):
     with Engine(model=tiny_model("llama", tie=True), device="cpu", dtype="float32") as engine:
         model = engine.runner.model
         assert model.lm_head is None and decode_read_bytes(model) == weight_bytes(model)
+
+
+def test_a_moe_decode_step_reads_the_experts_it_is_expected_to_hit(tiny_model):
+    """Non-expert weights whole; each layer's routed experts by the fraction of them T tokens hit when each
+    picks k of E uniformly: 1 - (1 - k/E)^T."""
+    from kestrel import Engine
+    from kestrel.bench.common import decode_read_bytes, weight_bytes
+
+    from transformers import AutoConfig
+
+    path = tiny_model("qwen3_moe")
+    config = AutoConfig.from_pretrained(path)
+    with Engine(model=path, device="cpu", dtype="float32") as engine:
+        model = engine.runner.model
+        experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
+        table = model.model.embed_tokens.weight.numel() * 4
+        E, k = config.num_experts, config.num_experts_per_tok
+        for tokens in (1, 3, 1000):
+            hit = 1 - (1 - k / E) ** tokens
+            expected = weight_bytes(model) - table - experts + experts * hit
+            assert abs(decode_read_bytes(model, tokens) - expected) <= 8, tokens
+        assert decode_read_bytes(model, 1) < decode_read_bytes(model, 3) < decode_read_bytes(model, 1000)
+
+
+def test_offline_decode_floor_counts_each_decoded_tokens_kv(tiny_model):
+    """The offline floor's KV term: token t (t >= 1) of a request reads its prompt and t tokens."""
+    from kestrel import Engine, SamplingParams
+    from kestrel.bench.common import StepRecorder
+    from kestrel.bench.offline import decode_floor
+
+    prompts, out_lens = [[1, 2, 3], [4, 5, 6, 7, 8]], [4, 6]
+    with Engine(model=tiny_model("llama"), device="cpu", dtype="float32") as engine:
+        recorder = StepRecorder(engine)
+        engine.generate(prompt_token_ids=prompts,
+                        sampling_params=[SamplingParams(max_new_tokens=m, ignore_eos=True) for m in out_lens])
+        floor = decode_floor(engine, recorder, prompts, out_lens, bandwidth=1e9)
+        reads = sum(len(p) + t for p, m in zip(prompts, out_lens) for t in range(1, m))
+        assert floor["kv_bytes_read"] == reads * engine.kv_memory.bytes_per_token
+        decode_steps = [s for s in recorder.steps if s[0] == "DECODE"]
+        assert len(decode_steps) == max(out_lens) - 1 and floor["weight_bytes_read"] > 0
+        assert floor["floor_s"] == pytest.approx((floor["kv_bytes_read"] + floor["weight_bytes_read"]) / 1e9)
 
 
 def test_closed_loop_benchmark_times_every_token(tiny_model, tmp_path):
