@@ -46,6 +46,8 @@ class SamplingParams:
     grammar) or `structural_tag` (xgrammar's structural-tag JSON) constrains the output: tokens the
     grammar does not allow next are masked before sampling, and the request stops ("stop") once the
     grammar can only end. The engine compiles it when the request is added (a bad one is a ValueError).
+    `grammar_after`: token ids (a reasoning model's end-of-thinking marker) before which the output is
+    free; the grammar constrains what follows their first appearance in the output.
     """
 
     max_new_tokens: int = 128
@@ -71,6 +73,7 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | dict[str, Any] | None = None
+    grammar_after: tuple[int, ...] | None = None
     # Scheduling priority, vLLM's sense: a lower value is admitted first, and retracted last (default 0).
     priority: int = 0
     stop_strs: list[str] = field(init=False, repr=False, default_factory=list)
@@ -111,6 +114,9 @@ class SamplingParams:
             bad("max_new_tokens", "an integer >= 0")
         if not _is_int(self.priority):
             bad("priority", "an integer (lower runs first)")
+        if self.grammar_after is not None and (not self.grammar_after or not all(
+                _is_int(t) and t >= 0 for t in self.grammar_after)):
+            bad("grammar_after", "a non-empty sequence of token ids")
         if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             bad("min_new_tokens", f"an integer in [0, max_new_tokens={self.max_new_tokens}]")
         if not _is_num(self.temperature) or self.temperature < 0:

@@ -152,7 +152,7 @@ class GrammarBackend:
         if grammar is None:
             return None
         state = GrammarState(grammar[0], self.compile(*grammar), self,
-                             time.monotonic() + self.limits.compile_timeout)
+                             time.monotonic() + self.limits.compile_timeout, params.grammar_after)
         state.poll()
         if state.error is not None:
             raise state.error
@@ -197,10 +197,15 @@ def _bit(i: int) -> int:
 
 class GrammarState:
     """One request's grammar: compiling until `poll()` says it is ready (or failed: `error`), then a
-    matcher that accepts exactly the request's resolved output tokens, in order."""
+    matcher that accepts exactly the request's resolved output tokens, in order. With a `trigger` (see
+    SamplingParams.grammar_after) the grammar is not `active` until the output has written it: the
+    tokens up to and including it are free and the matcher never sees them."""
 
-    def __init__(self, kind: str, compiled: Future, backend: GrammarBackend, deadline: float) -> None:
+    def __init__(self, kind: str, compiled: Future, backend: GrammarBackend, deadline: float,
+                 trigger: tuple[int, ...] | None = None) -> None:
         self.kind = kind
+        self.trigger = list(trigger) if trigger else None
+        self._recent: list[int] = []  # the last len(trigger) output tokens, until it has appeared
         self.compiled = compiled
         self.backend = backend
         self.deadline = deadline  # time.monotonic() past which the request stops waiting for the compile
@@ -230,11 +235,23 @@ class GrammarState:
             return True
         return False
 
+    @property
+    def active(self) -> bool:
+        """Whether the grammar constrains the next token (its trigger, if any, is written)."""
+        return self.trigger is None
+
     def accept(self, token: int) -> bool:
+        if self.trigger is not None:
+            self._recent = (self._recent + [token])[-len(self.trigger):]
+            if self._recent == self.trigger:
+                self.trigger = None
+            return True
         return self.matcher.accept_token(token)
 
     def ended(self) -> bool:
-        """True once the grammar allows nothing but a stop token (or took one)."""
+        """True once the grammar allows nothing but a stop token (or took one); never before it is active."""
+        if not self.active:
+            return False
         if self.matcher.is_terminated():
             return True
         if not self.matcher.is_completed():  # an incomplete grammar always allows a non-stop token

@@ -189,7 +189,8 @@ class StepLoop:
     def _sample(self, launched: _Launched) -> None:
         """Sample a launched batch, its grammar rows masked by their matchers as they are now."""
         sampling = launched.forwarded.sampling
-        live = [i for i, r in enumerate(launched.reqs) if r.grammar is not None and not r.finished]
+        live = [i for i, r in enumerate(launched.reqs) if r.grammar is not None and r.grammar.active
+                and not r.finished]
         if live:
             mask = self.grammars.fill([launched.reqs[i].grammar for i in live])
             sampling.grammar_rows = torch.tensor(live, dtype=torch.int64).to(self.runner.device, non_blocking=True)

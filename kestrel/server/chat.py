@@ -97,6 +97,10 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, body_byt
     if reasoning is not None and reasoning.needs_special_tokens:  # the parser reads the format's markers
         base = dataclasses.replace(base, skip_special_tokens=False)
     template_kwargs = body.template_kwargs()
+    if reasoning is not None and base.grammar is not None:  # the model thinks freely, then the grammar holds
+        if (marker := reasoning.answer_starts_after(template_kwargs)) is not None:
+            base = dataclasses.replace(base, grammar_after=tuple(state.tokenizer.encode(marker,
+                                                                                        add_special_tokens=False)))
     ticket = state.admit(body.n, "n")
     # With a reasoning parser or tools, each choice's text is read by its ChatOutput as it comes, streamed
     # or not (one reading, so both answers agree).

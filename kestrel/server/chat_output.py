@@ -2,7 +2,8 @@
 
 The answer's text goes through the reasoning parser (`--reasoning-parser`); what follows the reasoning
 goes through the tool-call reading (`ToolCallStream`) when the request has tools, else it is the
-content. The server feeds a `ChatOutput` the same text deltas whether the answer is streamed or not,
+content. With tools, the reasoning goes through a tool-call reading of its own too, whose calls join
+the answer's: a model that writes a call before it closes its thinking has made that call. The server feeds a `ChatOutput` the same text deltas whether the answer is streamed or not,
 so both read the same. Reasoning and content are stripped as `ToolCallStream` strips content: leading
 whitespace dropped, trailing whitespace held until text follows it.
 """
@@ -47,12 +48,13 @@ class ChatOutput:
         assert reasoning is not None or tools is not None, "a plain answer needs no reading"
         self.parser = reasoning
         self.tools = tools
-        self._reasoning = _Stripped()
+        self._thinking = tools.beside() if tools is not None and reasoning is not None else None
+        self._reasoning = _Stripped()  # without tools
         self._content = _Stripped()  # without tools
 
     @property
     def reasoning(self) -> str:
-        return str(self._reasoning)
+        return self._thinking.content if self._thinking is not None else str(self._reasoning)
 
     @property
     def content(self) -> str:
@@ -65,7 +67,7 @@ class ChatOutput:
     @property
     def ended(self) -> bool:
         """A repeated tool call ended the answer (see ToolCallStream): the caller stops the generation."""
-        return self.tools is not None and self.tools.ended
+        return self.tools is not None and (self.tools.ended or self._thinking is not None and self._thinking.ended)
 
     def feed(self, delta: str, final: bool = False) -> ChatDelta:
         """What `delta` adds to the answer; `final` on its last text. Once `ended`, the rest is ignored."""
@@ -76,10 +78,16 @@ class ChatOutput:
             rest = content = delta
         else:
             read = self.parser.feed(delta, final)
-            out.reasoning = self._reasoning.add(read.reasoning)
             rest, content = read.rest, read.content
+            if self._thinking is not None:
+                out.reasoning, out.tool_calls = self._thinking.feed(read.reasoning, final)
+                if self._thinking.ended:  # a repeated call inside the reasoning: the answer ends there
+                    return out
+            else:
+                out.reasoning = self._reasoning.add(read.reasoning)
         if self.tools is not None:
-            out.content, out.tool_calls = self.tools.feed(rest, final)
+            out.content, calls = self.tools.feed(rest, final)
+            out.tool_calls += calls
         else:
             out.content = self._content.add(content)
         return out

@@ -45,6 +45,12 @@ class ReasoningParser:
         """What `delta` adds; `final` on the answer's last text."""
         raise NotImplementedError
 
+    @classmethod
+    def answer_starts_after(cls, template_kwargs: dict) -> str | None:
+        """The marker after which the answer (what a grammar constrains) starts, None if it starts at
+        once: with a grammar, the reasoning before it stays free."""
+        raise NotImplementedError
+
 
 class ThinkParser(ReasoningParser):
     """`<think>reasoning</think>rest`."""
@@ -79,6 +85,10 @@ class ThinkParser(ReasoningParser):
         out.rest = out.content = text
         return out
 
+    @classmethod
+    def answer_starts_after(cls, template_kwargs: dict) -> str | None:
+        return cls.close_tag
+
 
 class DeepSeekR1Parser(ThinkParser):
     name = "deepseek-r1"
@@ -87,6 +97,11 @@ class DeepSeekR1Parser(ThinkParser):
 
 class Qwen3Parser(ThinkParser):
     name = "qwen3"
+
+    @classmethod
+    def answer_starts_after(cls, template_kwargs: dict) -> str | None:
+        # Without thinking the template closes the block in the prompt; the model thinks by default.
+        return None if template_kwargs.get("enable_thinking") is False else cls.close_tag
 
 
 class GptOssReasoningParser(ReasoningParser):
@@ -115,6 +130,11 @@ class GptOssReasoningParser(ReasoningParser):
             if harmony.is_content(piece):
                 content.append(self._joined("content", piece))
         return ReasoningDelta("".join(reasoning), "".join(rest), "".join(content))
+
+    @classmethod
+    def answer_starts_after(cls, template_kwargs: dict) -> str | None:
+        # The answer is the final channel's message body (written without a <|constrain|> marker).
+        return "<|channel|>final<|message|>"
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {

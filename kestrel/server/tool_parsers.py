@@ -392,7 +392,15 @@ class ToolCallStream:
         self.content = ""  # the content sent so far
         self.calls: list[ToolCall] = []  # the calls sent so far
         self._called: list[tuple[str, Any]] = []  # (name, parsed arguments) of each call sent
+        self._taken = 0  # calls of this stream's own text sent (`calls` may hold a beside stream's too)
         self.ended = False
+
+    def beside(self) -> "ToolCallStream":
+        """A stream over another part of the same answer (its reasoning) whose calls join this one's:
+        one list, so the calls' indices count on and a repeat of either's call ends both's."""
+        other = ToolCallStream(self.parser, self.new_id)
+        other.calls, other._called = self.calls, self._called
+        return other
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
         """(new content, new tool_calls delta entries) after `delta`; `final` on the answer's last text.
@@ -402,7 +410,7 @@ class ToolCallStream:
         self.text += delta
         split = self.parser.split(self.text, final)
         whole = []
-        for call in split.calls[len(self.calls):]:
+        for call in split.calls[self._taken:]:
             if not call.complete:
                 break
             called = (call.name, json.loads(call.arguments))
@@ -415,6 +423,7 @@ class ToolCallStream:
             whole.append(ToolCall(self.new_id(), call.name, call.arguments))
         entries = [{"index": len(self.calls) + i, **call.openai()} for i, call in enumerate(whole)]
         self.calls += whole
+        self._taken += len(whole)
         content = split.content.strip()
         new_content = content[len(self.content):]
         if len(content) > len(self.content):

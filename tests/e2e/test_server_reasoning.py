@@ -17,7 +17,9 @@ from kestrel.server.messages import AbortRequests, AddRequests, Admission, Shutd
 from kestrel.server.reasoning_parsers import reasoning_parser
 from kestrel.server.tool_parsers import tool_parser
 from tests.e2e.conftest import fake_engine_app
+from tests.e2e.scripted_chat import serve as scripted_serve
 from tests.harmony_tokenizer import build_harmony_tokenizer
+from tests.tiny_tokenizer import build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -136,3 +138,31 @@ def test_tool_calls_streamed_or_not_then_the_answer(tokenizer):
     assert ("<|start|>assistant<|channel|>analysis<|message|>The user wants the weather: call get_weather.<|end|>"
             '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
             '{"city": "Oslo"}<|call|><|start|>functions.get_weather to=assistant') in seen[2][0]
+
+
+def test_a_grammar_waits_for_the_end_of_thinking(tokenizer, tmp_path):
+    """With a reasoning parser, response_format's grammar starts after the format's end-of-thinking marker
+    (gpt-oss: the final channel's header; qwen3: </think>, unless the template was told not to think)."""
+    schema = {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}}
+
+    async def harmony(client) -> None:
+        await client.chat.completions.create(model="fake", messages=ASK, response_format=schema)
+        await client.chat.completions.create(model="fake", messages=ASK)
+
+    seen = serve(tokenizer, harmony)
+    marker = tuple(tokenizer.encode("<|channel|>final<|message|>", add_special_tokens=False))
+    assert seen[0][1].grammar_after == marker and seen[0][1].json_schema is not None
+    assert seen[1][1].grammar_after is None
+
+    think = build_tokenizer(tmp_path / "think")
+
+    async def qwen3(http) -> None:
+        for kwargs in ({}, {"chat_template_kwargs": {"enable_thinking": False}}):
+            answer = await http.post("/v1/chat/completions", json={
+                "model": "fake", "messages": [{"role": "user", "content": "think"}], "response_format": schema,
+                **kwargs})
+            assert answer.status_code == 200, answer.text
+
+    seen = scripted_serve(think, qwen3)
+    assert seen[0][1].grammar_after == tuple(think.encode("</think>", add_special_tokens=False))
+    assert seen[1][1].grammar_after is None

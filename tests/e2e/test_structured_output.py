@@ -3,6 +3,7 @@ random model (the grammar, not the weights, makes the output valid), the grammar
 overlap scheduling's exactness (its deferred masks against the non-overlapped engine's)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
@@ -86,6 +87,26 @@ def test_a_grammar_that_ends_finishes_the_request_even_at_its_length_limit(engin
     assert exact.token_ids == out.token_ids and exact.meta["finish_reason"] == "stop"
     cut = engine.generate(PROMPT, SamplingParams(max_new_tokens=1, regex="abcdefghij"))[0]
     assert cut.meta["finish_reason"] == "length"
+
+
+def test_a_grammar_after_a_marker_leaves_the_tokens_up_to_it_free(engine):
+    """grammar_after (a reasoning model's end of thinking): the output is the model's own up to the first
+    appearance of the marker, then the grammar's; a marker never written leaves the output free."""
+    free = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))[0]
+    marker = tuple(free.token_ids[2:4])
+    first = next(i for i in range(len(free.token_ids)) if tuple(free.token_ids[i:i + 2]) == marker) + 2
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, regex="(yes|no)!", grammar_after=marker)
+    out = engine.generate([PROMPT], params)[0]
+    assert out.token_ids[:first] == free.token_ids[:first]
+    assert re.fullmatch("(yes|no)!", engine.tokenizer.decode(out.token_ids[first:]))
+    assert out.meta["finish_reason"] == "stop"
+    constrained = engine.generate([PROMPT], dataclasses.replace(params, grammar_after=None))[0]
+    assert re.fullmatch("(yes|no)!", constrained.text)
+    never = dataclasses.replace(params, max_new_tokens=12, grammar_after=(engine.vocab_size - 1,) * 3)
+    assert engine.generate([PROMPT], never)[0].token_ids[:12] == free.token_ids[:12]
+    with pytest.raises(ValueError, match="grammar_after must be a non-empty sequence of token ids"):
+        engine.generate([PROMPT], dataclasses.replace(params, grammar_after=()))
+    assert_pool_full(engine)
 
 
 @pytest.mark.parametrize("kind, text, message", [

@@ -49,6 +49,12 @@ CASES = [
      "Call it.", None, [("now", "{}")]),
     ("deepseek-r1", "hermes", 'Plan.</think>Sure. <tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
      "Plan.", "Sure.", [("now", "{}")]),
+    # A call written before the thinking closes is a call all the same, counted with the answer's.
+    ("qwen3", "hermes", '<think>Look it up. <tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\nThen.'
+     '</think>\nDone. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+     "Look it up. \nThen.", "Done.", [("now", "{}"), ("get_weather", '{"city": "Oslo"}')]),
+    ("deepseek-r1", "hermes", 'Never closes. <tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
+     "Never closes.", None, [("now", "{}")]),
 ]
 
 
