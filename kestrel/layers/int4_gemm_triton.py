@@ -14,7 +14,8 @@ Two ways to multiply, one kernel (`Int4GemmConfig.dot`):
   padding to 16; at batch 1 a step only streams the weights.
 Small M leaves few tiles, so K is split into float32 partials that a second kernel sums in a fixed order
 (kestrel.layers.fp8_gemm_triton.sum_splits): the result does not depend on timing. `default_config` is
-a first guess for the H100/H200; kestrel/bench/kernels/int4.py measures the configs to replace it with.
+a first guess for the H100/H200, unmeasured: every tile size, split, warp count and the GEMV / tl.dot
+choice are arguments of `int4_gemm` (`Int4GemmConfig`), so a sweep on the GPU replaces it.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from kestrel.quant.int4 import PACK
 # The largest M the GEMV takes: past it each weight costs more float32 FMAs than CUDA cores issue at
 # the memory's bandwidth (as for the FP8 GEMV).
 GEMV_LIMIT_M = 8
-# default_config gives the GEMV M <= GEMV_MAX_M; a guess until kestrel/bench/kernels/int4.py's H100 rows.
+# default_config gives the GEMV M <= GEMV_MAX_M; a guess until measured on the GPU.
 GEMV_MAX_M = 1
 
 
