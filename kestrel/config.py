@@ -55,8 +55,9 @@ class ModelConfig:
     context_length: int | None = option(None, "longest prompt + output in tokens (default: the model's "
                                               "max_position_embeddings)", aliases=("max_model_len",))
     quantization: str | None = option(None, "fp8: linear weights in FP8 (block-scaled e4m3, activations per token; "
-                                            "a float checkpoint is quantized at load). Default: what the checkpoint "
-                                            "holds", choices=("fp8",))
+                                            "a float checkpoint is quantized at load); awq / gptq: 4-bit weights, from such "
+                                            "a checkpoint only. Default: what the checkpoint holds",
+                                        choices=("fp8", "awq", "gptq"))
     # config.json as read once by resolution; everything after reads this copy.
     hf_config: dict[str, Any] | None = decided()
 

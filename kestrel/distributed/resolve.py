@@ -42,7 +42,7 @@ def check_parallel(par: ParallelConfig, hf: dict[str, Any], device: str, specula
         raise ValueError("speculative decoding with tensor parallelism (tp_size > 1) is not supported yet; "
                          "unset speculative_algorithm or serve with tp_size 1")
     if quantization is not None:
-        raise ValueError(f"quantization {quantization!r} (also an FP8 checkpoint's) with tensor parallelism "
+        raise ValueError(f"quantization {quantization!r} (also a quantized checkpoint's: FP8, AWQ, GPTQ) with tensor parallelism "
                          "(tp_size > 1) is not supported yet; serve a float checkpoint or use tp_size 1")
     if dsv4:
         if ep != tp:

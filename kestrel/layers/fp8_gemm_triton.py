@@ -130,12 +130,12 @@ def _gemm_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, str
         else:
             part = tl.dot(xq, w)  # FP8 x FP8 on tensor cores, float32 accumulate
         acc += part * (x_s[:, None] * tl.load(w_scale_row + kb))
-    _store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_ym, stride_pk, stride_pm, HAS_BIAS,
+    store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_ym, stride_pk, stride_pm, HAS_BIAS,
                 SPLIT_K > 1)
 
 
 @triton_jit
-def _store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_ym, stride_pk, stride_pm,
+def store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_ym, stride_pk, stride_pm,
                 HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
     """A program's float32 [rows, cols] result: biased and cast into Y, or, split over K, into its partial."""
     mask = m_mask[:, None] & n_mask[None, :]
@@ -190,7 +190,7 @@ def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, str
             acc += tl.sum(w * x, 1)[None, :]
         else:
             acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
-    _store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_ym, stride_pk, stride_pm, HAS_BIAS,
+    store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_ym, stride_pk, stride_pm, HAS_BIAS,
                 PARTIAL)
 
 
@@ -303,11 +303,11 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
         SPLIT_K=cfg.split_k, GROUP_M=8, UPCAST=interpret, EXACT_ROUND=interpret,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
-        _sum_splits(partial, y, bias, cfg.split_k)
+        sum_splits(partial, y, bias, cfg.split_k)
     return y
 
 
-def _sum_splits(partial: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, split_k: int) -> None:
+def sum_splits(partial: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, split_k: int) -> None:
     """y = sum of the float32 partials [split_k, M, N] (+ bias), in a fixed order: deterministic."""
     m, n = y.shape
     block = min(1024, triton.next_power_of_2(n))
@@ -352,5 +352,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor |
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIAL=cfg.split_k > 1, EXACT_ROUND=envs.triton_interpret(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
-        _sum_splits(partial, y, bias, cfg.split_k)
+        sum_splits(partial, y, bias, cfg.split_k)
     return y

@@ -8,8 +8,11 @@ from dataclasses import dataclass
 class Kernels:
     """`triton_rope`: rope as a Triton kernel (attention.decisions.shared_triton_kernel decides: it runs in
     both phases). `triton_elementwise`: fused add+RMSNorm and SiLU-and-mul Triton kernels (CUDA only).
-    `triton_fp8`: FP8 linear layers run the Triton FP8 GEMM (CUDA only; else their torch reference)."""
+    `triton_fp8`: FP8 linear layers run the Triton FP8 GEMM (CUDA only; else their torch reference).
+    `triton_int4`: AWQ / GPTQ linear layers run the Triton W4A16 GEMM (CUDA only; else the dequantised
+    weight in torch)."""
 
     triton_rope: bool = False
     triton_elementwise: bool = False
     triton_fp8: bool = False
+    triton_int4: bool = False

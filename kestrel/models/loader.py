@@ -19,6 +19,7 @@ from kestrel.models.destination import checkpoint_destination, expected_keys
 from kestrel.models.gguf import gguf_file, gguf_tensors, read_gguf_config
 from kestrel.models.registry import model_class
 from kestrel.progress import progress_bar
+from kestrel.quant.int4 import INT4_METHODS, int4_config
 from kestrel.quant.resolve import checkpoint_quantization
 
 # Buffers some checkpoints store that kestrel recomputes (rope frequencies).
@@ -48,6 +49,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
     itself from the same tensor stream.
     `quantization="fp8"` runs the decoder's linear layers in FP8 (kestrel.quant.linears): an FP8
     checkpoint's weights as stored, a float checkpoint's (or dummy weights) quantized after loading;
+    "awq" / "gptq" (the checkpoint's own) run them in 4 bits (random 4-bit weights with dummy);
     None loads what the checkpoint holds.
     `parallel`: the model is built as this rank's shard and reads only its slices of the checkpoint.
     Raises ValueError listing missing or unexpected parameter names.
@@ -63,7 +65,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
         raise ValueError(f"quantization {quantization!r} is not supported for {cls.__name__}")
     if load_format == "dummy":
         model.fill_dummy()
-        return _quantized(model, quantization, kernels).eval()
+        return _quantized(model, quantization, kernels, config).eval()
     if cls.loads_own_checkpoint:
         # A tensor the model says it skips (another expert-parallel rank's expert) is never read.
         tensors = ((name, read(None)) for name, read in _checkpoint_reads(Path(model_path), hf_config=config)
@@ -79,22 +81,36 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
     # A format the family's expert loaders dequantise (gpt-oss's MXFP4) leaves the linears in float.
     method = (config.get("quantization_config") or {}).get("quant_method")
     stored = None if method in cls.checkpoint_quantizations else checkpoint_quantization(config)
-    if stored is not None:  # the FP8 layers exist before the copy, which fills weights and scales by name
+    # The quantized layers exist before the copy, which fills weights and scales by name.
+    names = [model.checkpoint_name(n) for n in checkpoint_names(model_path)] if stored is not None else []
+    if stored == "fp8":
         from kestrel.quant.linears import use_checkpoint_fp8_linears
 
-        use_checkpoint_fp8_linears(model, [model.checkpoint_name(n) for n in checkpoint_names(model_path)],
-                                   kernels.triton_fp8)
+        use_checkpoint_fp8_linears(model, names, kernels.triton_fp8)
+    elif stored is not None:
+        from kestrel.quant.linears import use_checkpoint_int4_linears
+
+        use_checkpoint_int4_linears(model, names, int4_config(config["quantization_config"]), kernels.triton_int4)
     copy_checkpoint(model, model_path, getattr(cfg, "architecture", cls.__name__), cls.stacked_params, skip, model.checkpoint_name,
                     hf_config=config)
-    return _quantized(model, quantization if stored is None else None, kernels).eval()
+    if stored in INT4_METHODS:
+        from kestrel.quant.linears import finish_int4_linears
+
+        finish_int4_linears(model)
+    return _quantized(model, quantization if stored is None else None, kernels, config).eval()
 
 
-def _quantized(model: CausalLM, quantization: str | None, kernels: Kernels) -> CausalLM:
-    """The model with its float weights quantized online (`quantization="fp8"`), or as it is."""
-    if quantization is not None:
+def _quantized(model: CausalLM, quantization: str | None, kernels: Kernels, hf_config: dict) -> CausalLM:
+    """The model with its float weights quantized online (`quantization="fp8"`), or given random 4-bit
+    weights (dummy weights under an AWQ / GPTQ config), or as it is."""
+    if quantization == "fp8":
         from kestrel.quant.linears import quantize_linears
 
         quantize_linears(model, kernels.triton_fp8)
+    elif quantization is not None:
+        from kestrel.quant.linears import random_int4_linears
+
+        random_int4_linears(model, int4_config(hf_config["quantization_config"]), kernels.triton_int4)
     return model
 
 

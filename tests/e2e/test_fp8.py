@@ -195,7 +195,7 @@ def test_bad_fp8_option_values_fail_at_start_up_with_the_valid_ones(tiny_model, 
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3, fp8_e5m2, got 'fp16'"):
         Engine(model=model, device="cpu", kv_cache_dtype="fp16")
-    with pytest.raises(ValueError, match="quantization must be one of fp8 or unset, got 'int8'"):
+    with pytest.raises(ValueError, match="quantization must be one of fp8, awq, gptq or unset, got 'int8'"):
         Engine(model=model, device="cpu", quantization="int8")
     assert main(["generate", "--model", model, "--device", "cpu", "--kv-cache-dtype", "e4m3", "--prompt", "x"]) == 2
     assert "kv_cache_dtype must be one of" in capsys.readouterr().err
@@ -204,7 +204,7 @@ def test_bad_fp8_option_values_fail_at_start_up_with_the_valid_ones(tiny_model, 
 def test_unsupported_checkpoint_quantizations_are_refused(tmp_path):
     model = make_tiny_model("llama", tmp_path)
     config = json.loads((model / "config.json").read_text())
-    for qc, message in (({"quant_method": "awq"}, "quantized with 'awq'"),
+    for qc, message in (({"quant_method": "bitsandbytes"}, "quantized with 'bitsandbytes'"),
                         ({"quant_method": "fp8", "weight_block_size": None}, "weight_block_size None"),
                         ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
                          "activation_scheme 'static'")):
