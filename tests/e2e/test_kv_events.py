@@ -114,3 +114,14 @@ def test_events_track_the_radix_tree_and_replay(tiny_model, tmp_path):
                 assert set(live) == cached, "before the flush, the stored minus the removed are the tree's pages"
                 live.clear()
     assert removed > 0 and cached
+
+
+def test_bad_config_is_a_start_up_error(tiny_model, capsys):
+    from kestrel.cli import main
+
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="unknown field.*'port'"):
+        Engine(model=model, device="cpu", kv_events_config='{"enable_kv_cache_events": true, "port": 5557}')
+    assert main(["generate", "--model", model, "--device", "cpu", "--prompt-token-ids", "1,2",
+                 "--kv-events-config", '{"enable_kv_cache_events": 1}']) == 2
+    assert "kv_events_config: enable_kv_cache_events must be bool, got 1" in capsys.readouterr().err
