@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-
 from typing import TYPE_CHECKING
 
 import torch
