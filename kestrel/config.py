@@ -75,6 +75,12 @@ class CacheConfig:
     kv_cache_dtype: str = option("auto", "auto (the model dtype), fp8_e4m3 or fp8_e5m2: the KV cache in FP8, half "
                                          "the bytes of bf16 (DeepSeek-V4: fp8_e4m3 only, its packed 584-byte "
                                          "entries, docs/design/deepseek-v4.md §6)", choices=("auto", "fp8_e4m3", "fp8_e5m2"))
+    kv_events_config: str | None = option(None, "vLLM's JSON for publishing KV-cache events over ZeroMQ, e.g. "
+                                                "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+                                                "\"replay_endpoint\": \"tcp://*:5558\"}' (docs/kv-events.md; default: "
+                                                "no events)")
+    # kv_events_config as parsed and checked by resolution (a kestrel.cache.kv_events_config.KVEventsConfig).
+    kv_events: Any = decided()
 
 
 @dataclass(frozen=True)

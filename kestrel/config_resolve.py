@@ -27,6 +27,7 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     from kestrel.assets import resolve_model_path
     from kestrel.attention.decisions import extend_prefix_reuse, library_requirements
     from kestrel.attention.registry import attention_backends
+    from kestrel.cache.kv_events_config import parse_kv_events_config
     from kestrel.distributed.resolve import check_parallel
     from kestrel.hf_config import read_hf_config
     from kestrel.quant.resolve import resolve_quantization
@@ -64,8 +65,9 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     max_total_tokens = c.max_total_tokens
     if not on_gpu and max_total_tokens is None:
         max_total_tokens = 32768  # CPU: no memory probe, a fixed pool that fits any test model
+    kv_events = parse_kv_events_config(c.kv_events_config) if c.kv_events_config is not None else None
     cache = dataclasses.replace(c, page_size=page_size, max_total_tokens=max_total_tokens,
-                                mem_fraction_static=mem_fraction if mem_fraction else 0.85)
+                                mem_fraction_static=mem_fraction if mem_fraction else 0.85, kv_events=kv_events)
 
     s = config.scheduler
     if s.max_running_requests is not None and s.max_running_requests < 1:

@@ -39,6 +39,12 @@ def allow_long_context() -> bool:
     return os.environ.get("KESTREL_ALLOW_LONG_CONTEXT", "0").lower() in ("1", "true", "yes")
 
 
+def kv_events_hash_seed() -> str:
+    """PYTHONHASHSEED, the seed of the KV-event block hashes as vLLM takes it ("" when unset, so that
+    replicas and the indexers that recompute the hashes agree without it)."""
+    return os.environ.get("PYTHONHASHSEED", "")
+
+
 def omp_num_threads() -> int | None:
     """OMP_NUM_THREADS as the user set it (a positive integer), else None. A list ("4,2": nested levels)
     counts by its first level. Raises ValueError naming the variable when it is not a number."""

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 
 from kestrel.cache.allocator import TokenToKVPoolAllocator
+
+if TYPE_CHECKING:
+    from kestrel.cache.kv_events_log import KVEventLog
 
 
 class Node:
@@ -38,12 +42,14 @@ class Node:
 class RadixCache:
     """Prefix cache: longest page-aligned prefix matches, LRU eviction of unlocked leaves."""
 
-    def __init__(self, allocator: TokenToKVPoolAllocator, page_size: int, disabled: bool = False) -> None:
+    def __init__(self, allocator: TokenToKVPoolAllocator, page_size: int, disabled: bool = False,
+                 events: KVEventLog | None = None) -> None:
         if page_size != allocator.page_size:
             raise ValueError(f"radix page_size {page_size} != allocator page_size {allocator.page_size}")
         self.allocator = allocator
         self.page_size = page_size
         self.disabled = disabled
+        self.events = events  # told of every node stored, split, evicted and of a flush (KV-cache events)
         self._clock = itertools.count(1)  # logical time: deterministic LRU order
         # Slots live on the host, like the allocator's: matching and freeing never wait for the device.
         self._empty = torch.empty(0, dtype=torch.int64)
@@ -84,6 +90,8 @@ class RadixCache:
         child.parent = upper
         child.key = child.key[n:]
         child.value = child.value[n:]
+        if self.events is not None:
+            self.events.split(upper, child)
         return upper
 
     def _walk(self, key: list[int]) -> tuple[Node, int, list[torch.Tensor]]:
@@ -137,6 +145,8 @@ class RadixCache:
             leaf = Node(node, key[present:], slots[present:length].clone(), node.last_access)
             node.children[self._child_key(key, present)] = leaf
             self._evictable += len(leaf.key)
+            if self.events is not None:
+                self.events.stored(leaf)
         return present
 
     # ---- locking / eviction ------------------------------------------------------------------
@@ -169,6 +179,8 @@ class RadixCache:
         while heap and freed < num_tokens:
             _, _, leaf = heapq.heappop(heap)
             self.allocator.free(leaf.value)
+            if self.events is not None:
+                self.events.removed(leaf)
             parent = leaf.parent
             del parent.children[self._child_key(leaf.key, 0)]
             freed += len(leaf.key)
@@ -176,6 +188,20 @@ class RadixCache:
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
+
+    def flush(self) -> None:
+        """Drop every cached prefix and free its slots (SGLang's flush_cache). No request may hold a node."""
+        if self._protected:
+            raise RuntimeError(f"cannot flush the radix cache while requests hold {self._protected} of its tokens")
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            self.allocator.free(node.value)
+            stack.extend(node.children.values())
+        self.root.children = {}
+        self._evictable = 0
+        if self.events is not None:
+            self.events.cleared()
 
     def _leaves(self) -> list[Node]:
         leaves, stack = [], list(self.root.children.values())

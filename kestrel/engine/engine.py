@@ -13,6 +13,8 @@ from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from typing import Any, Callable, Iterable
 
+from kestrel import envs
+from kestrel.cache.kv_events_publisher import open_kv_event_log
 from kestrel.cache.radix import RadixCache
 from kestrel.config import EngineConfig
 from kestrel.config_resolve import resolve_config
@@ -87,7 +89,12 @@ class Engine:
         sched, alloc, future_tokens = config.scheduler, self.kv_memory.allocator, parts.future_tokens
 
         # ---- scheduling and sampling -------------------------------------------------------
-        self.radix = RadixCache(alloc, config.cache.page_size, disabled=config.cache.disable_radix_cache)
+        self.kv_events = open_kv_event_log(config.cache.kv_events, config.cache.page_size, envs.kv_events_hash_seed())
+        if self.kv_events is not None and config.cache.disable_radix_cache:
+            logger.warning("KV-cache events are on but prefix caching is off (--disable-radix-cache, or a KV layout "
+                           "that cannot reuse prefixes): no block will be published")
+        self.radix = RadixCache(alloc, config.cache.page_size, disabled=config.cache.disable_radix_cache,
+                                events=self.kv_events)
         self.scheduler = Scheduler(sched, alloc, self.radix, self.kv_memory.req_to_token, self.eos_token_ids,
                                    self.kv_memory.max_req_len,
                                    recompute_last_match=draft is not None and draft.uses_features)
@@ -206,7 +213,20 @@ class Engine:
                 self._compiling.remove(req)
                 self.scheduler.finish(req, "abort")
                 return True
-        return self.scheduler.abort(rid) is not None
+        aborted = self.scheduler.abort(rid) is not None
+        if self.kv_events is not None:
+            self.kv_events.end_step()  # its prefix went into the cache now, not in the next step
+        return aborted
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix (SGLang's /flush_cache); only while no request is queued or running.
+        Returns whether it flushed."""
+        if self.has_work() or self._reqs:
+            return False
+        self.radix.flush()
+        if self.kv_events is not None:
+            self.kv_events.end_step()
+        return True
 
     # ---- steps -------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -217,7 +237,10 @@ class Engine:
         each once, those whose grammar failed to compile included. Under tensor parallelism a failed step
         raises RankFailedError; `shutdown()` still works after it."""
         done = self._admit_compiled()
-        return list(dict.fromkeys(done + self.loop.step()))
+        stepped = self.loop.step()
+        if self.kv_events is not None:
+            self.kv_events.end_step()
+        return list(dict.fromkeys(done + stepped))
 
     def add_step_hook(self, hook: Callable[[StepInfo], None]) -> None:
         """Call `hook(StepInfo)` after every step that ran a batch (benchmarks record steps with it)."""
@@ -372,6 +395,9 @@ class Engine:
             self.abort(rid)
         if self.grammars is not None:
             self.grammars.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         self._reqs.clear()
         self._texts.clear()
         self._streamed.clear()
