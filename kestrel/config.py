@@ -234,6 +234,12 @@ class ServerConfig:
     responses_store_size: int = option(1000, "responses the Responses API keeps in memory for previous_response_id "
                                              "and GET /v1/responses/{id}, the least recently used dropped "
                                              "first; 0 keeps none (default: 1000)")
+    # A step is short (chunked prefill bounds it; CUDA graphs were captured before readiness, which the
+    # clock starts from), but the first steps of a new shape may compile Triton kernels for tens of
+    # seconds; a minute separates those from a hang.
+    health_stall_timeout: float = option(60.0, "seconds the engine may hold requests without its loop advancing "
+                                               "before /health answers 503 (a hung engine whose process lives); "
+                                               "0 turns the check off (default: 60)")
     reasoning_parser: str | None = option(None, "the format of the model's reasoning, returned as reasoning_content "
                                                 "of chat answers apart from the content (docs/reasoning.md); "
                                                 "gpt-oss with --tool-call-parser gpt-oss; default: none (the "

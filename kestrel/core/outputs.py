@@ -34,6 +34,9 @@ class EngineStats:
     num_retractions: int = 0
     # New prompt tokens of each step that prefilled, since the previous stats (the engine process fills it).
     step_prefill_tokens: list[int] = field(default_factory=list)
+    # Turns of the engine process's loop that stepped the engine (the engine process fills it): its
+    # heartbeat, which the HTTP side's liveness check (/health) watches while requests are in flight.
+    num_steps: int = 0
 
     @property
     def token_usage(self) -> float:

@@ -107,7 +107,7 @@ def build_app(state: ServerState, max_request_bytes: int, request_read_timeout: 
 
     @app.get("/health")
     async def health() -> Response:
-        state.check_alive()  # 503 while draining or while the engine process is dead
+        state.check_health()  # 503 while draining, while the engine process is dead or while its loop is stuck
         return JSONResponse({"status": "ok"})
 
     @app.get("/ping")
@@ -122,6 +122,7 @@ def build_app(state: ServerState, max_request_bytes: int, request_read_timeout: 
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
+        state.metrics.engine_stall.set(state.client.stalled_for())
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/server_info")

@@ -27,12 +27,13 @@ from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from kestrel.config import EngineConfig
+from kestrel.config import EngineConfig, ServerConfig
 from kestrel.server.engine_process import engine_main
 from kestrel.server.errors import APIError
 from kestrel.server.messages import (AbortRequests, AddRequests, Admission, EngineFailed, EngineReady, EngineStats,
                                      NewRequest, Shutdown, StepOutput, TokenDelta)
 from kestrel.server.metrics import ServerMetrics
+from kestrel.server.metrics_dialects import FinishedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +101,9 @@ class EngineLaunch:
             process.join()
             raise EngineStartError(f"could not load the model {model}: {msg.error}")
         assert isinstance(msg, EngineReady), msg
-        metrics.on_engine_ready()
-        return EngineClient(process, self.inbox, self.outbox, msg, metrics)
+        metrics.on_engine_ready(msg)
+        return EngineClient(process, self.inbox, self.outbox, msg, metrics,
+                            self.config.server.health_stall_timeout)
 
     def kill(self) -> None:
         self.process.kill()
@@ -109,10 +111,19 @@ class EngineLaunch:
 
 
 class EngineClient:
-    def __init__(self, process: Any, inbox: Any, outbox: Any, info: EngineReady, metrics: ServerMetrics) -> None:
+    """`stall_timeout`: seconds the engine may hold requests without its loop advancing before
+    `stall_error()` reports it hung (0: never); see `stalled_for`."""
+
+    def __init__(self, process: Any, inbox: Any, outbox: Any, info: EngineReady, metrics: ServerMetrics,
+                 stall_timeout: float = ServerConfig.health_stall_timeout) -> None:
         self.process = process
         self.info = info
         self.metrics = metrics
+        self.stall_timeout = stall_timeout
+        # The engine loop's heartbeat: when it was last seen to advance, counted from readiness (the
+        # model load and CUDA graph capture came before), and its step count then.
+        self._progress_at = time.monotonic()
+        self._steps_seen = 0
         self.stats = EngineStats(max_total_tokens=info.max_total_tokens)
         self.dead_reason: str | None = None
         self.on_dead: Callable[[], None] | None = None  # called once, after the in-flight requests were failed
@@ -167,6 +178,26 @@ class EngineClient:
     def alive(self) -> bool:
         return self.dead_reason is None and self.process.is_alive()
 
+    def stalled_for(self) -> float:
+        """Seconds the engine has held requests without its loop advancing; 0 while it holds none.
+
+        The loop advances when a step's output or a stats message with a new step count arrives (stats
+        come every second while it is busy). Work that arrives at an engine with none counts from then."""
+        if not self._tracked and not self._groups:
+            return 0.0
+        return time.monotonic() - self._progress_at
+
+    def stall_error(self) -> APIError | None:
+        """A 503 for /health when the engine loop has not advanced for `stall_timeout` seconds while it
+        has requests: a hung step (a stuck collective, a kernel that never returns) leaves the process
+        alive, so only its silence tells."""
+        stalled = self.stalled_for()
+        if not self.stall_timeout or stalled <= self.stall_timeout:
+            return None
+        return APIError(503, f"the engine loop has not advanced for {stalled:.0f} s while it holds "
+                             f"{len(self._tracked) + len(self._groups)} requests (--health-stall-timeout "
+                             f"{self.stall_timeout:g}): it may be hung", code="engine_stalled")
+
     def dead_error(self) -> APIError:
         reason = self.dead_reason or f"the engine process exited (exit code {self.process.exitcode})"
         return APIError(503, f"{reason}; the server is starting a new one: retry in a little while",
@@ -181,6 +212,8 @@ class EngineClient:
         if not self.alive:
             raise self.dead_error()
         group = RequestGroup([r.rid for r in reqs])
+        if not self._tracked and not self._groups:  # an engine without work had nothing to advance
+            self._progress_at = time.monotonic()
         self._groups[group.id] = group
         for i, r in enumerate(reqs):
             self._tracked[r.rid] = _Tracked(group, i, arrival, r.params.priority)
@@ -263,7 +296,7 @@ class EngineClient:
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, StepOutput):
-            now = time.monotonic()
+            now = self._progress_at = time.monotonic()
             for delta in msg.deltas:
                 self._on_delta(delta, now)
         elif isinstance(msg, Admission):
@@ -280,6 +313,8 @@ class EngineClient:
         elif isinstance(msg, EngineFailed):  # a tensor-parallel rank died; the engine process exits now
             self._on_dead(msg.error)
         elif isinstance(msg, EngineStats):
+            if msg.num_steps != self._steps_seen:
+                self._steps_seen, self._progress_at = msg.num_steps, time.monotonic()
             self.stats = msg
             self.metrics.on_stats(msg)
         else:
@@ -302,10 +337,11 @@ class EngineClient:
             self.metrics.on_queued(delta.queue_time)
         if delta.finished:
             del self._tracked[delta.rid]
-            self.metrics.on_finish(delta.finish_reason or "abort", now - tracked.arrival)
-            if tracked.first_token is not None:
-                mean_itl = (tracked.last_token - tracked.first_token) / (tracked.tokens - 1) if tracked.tokens > 1 else None
-                self.metrics.on_targets(tracked.priority, tracked.first_token - tracked.arrival, mean_itl)
+            first = tracked.first_token
+            self.metrics.on_finish(FinishedRequest(
+                delta.finish_reason or "abort", tracked.priority, now - tracked.arrival, delta.prompt_tokens,
+                delta.cached_tokens, tracked.tokens, None if first is None else first - tracked.arrival,
+                (tracked.last_token - first) / (tracked.tokens - 1) if tracked.tokens > 1 else None))
             if delta.spec_accept_histogram:
                 self.metrics.on_spec_rounds(delta.spec_accept_histogram)
         tracked.group.queue.put_nowait((tracked.index, delta))

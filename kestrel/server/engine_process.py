@@ -67,7 +67,9 @@ def _run_engine(config: EngineConfig, inbox: Connection, outbox: Connection, log
     outbox.send(EngineReady(pid=os.getpid(), vocab_size=engine.vocab_size, max_req_len=engine.max_req_len,
                             max_total_tokens=engine.kv_memory.allocator.size,
                             context_length=engine.config.model.context_length,
-                            rank_pids=engine.ranks.pids if engine.ranks is not None else []))
+                            rank_pids=engine.ranks.pids if engine.ranks is not None else [],
+                            page_size=engine.config.cache.page_size, kv_cache_dtype=engine.config.cache.kv_cache_dtype,
+                            prefix_caching=not engine.config.cache.disable_radix_cache))
     EngineLoop(engine, inbox, outbox).run()
 
 
@@ -81,6 +83,7 @@ class EngineLoop:
         self.compiling: dict[str, list[str]] = {}  # group -> its rids, while a grammar of it compiles
         self.rejected: list[str] = []  # aborted with their group's grammar: reported (and forgotten) next step
         self.step_prefill_tokens: list[int] = []  # of the steps since the last stats
+        self.num_steps = 0
         engine.add_step_hook(self._on_step)
 
     def run(self) -> None:
@@ -126,6 +129,7 @@ class EngineLoop:
                 self.stats_sent_idle = False
             if self._step(touched):
                 self.stats_sent_idle = False
+            self.num_steps += 1
             if time.monotonic() - self.last_stats >= STATS_INTERVAL_S:
                 self._send_stats()
 
@@ -238,6 +242,7 @@ class EngineLoop:
     def _send_stats(self) -> None:
         stats = self.engine.stats()
         stats.step_prefill_tokens, self.step_prefill_tokens = self.step_prefill_tokens, []
+        stats.num_steps = self.num_steps
         self.outbox.send(stats)
         self.last_stats = time.monotonic()
 

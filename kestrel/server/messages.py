@@ -51,6 +51,10 @@ class EngineReady:
     max_total_tokens: int  # KV pool size in tokens
     context_length: int
     rank_pids: list[int] = field(default_factory=list)  # tensor-parallel ranks 1.. on this node
+    # The KV cache as vLLM's cache_config_info describes it.
+    page_size: int = 1
+    kv_cache_dtype: str = "auto"
+    prefix_caching: bool = True
 
 
 @dataclass

@@ -11,13 +11,20 @@ Goodput: each finished request that produced a token counts in `kestrel:requests
 neither set every request counts as met).
 `kestrel:engine_alive` is 0 while the engine process is dead (until its restart has loaded the
 model), and the engine's gauges then read 0 rather than its last values: nothing runs.
+`kestrel:engine_stall_seconds` is how long the engine has held requests without its loop advancing
+(0 while it advances or has none); past --health-stall-timeout, /health answers 503.
+
+The same events feed the vLLM and SGLang names the gateways read (see metrics_dialects).
 """
 from __future__ import annotations
+
+import time
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
 
-from kestrel.server.messages import EngineStats
+from kestrel.server.messages import EngineReady, EngineStats
+from kestrel.server.metrics_dialects import FinishedRequest, SglangMetrics, VllmMetrics
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0, 160.0, 640.0)
@@ -49,6 +56,8 @@ class ServerMetrics:
 
         self.engine_alive = gauge("engine_alive", "1 while the engine process runs; 0 while it is dead or restarting")
         self.engine_restarts = counter("engine_restarts", "Times the engine process died and a new one was started")
+        self.engine_stall = gauge("engine_stall_seconds", "Seconds the engine has held requests without its loop "
+                                                          "advancing (0 while it advances or holds none)")
         self.num_running = gauge("num_running_reqs", "Requests running in the engine (prefill or decode)")
         self.num_waiting = gauge("num_queue_reqs", "Requests waiting in the engine's queue")
         self.token_usage = gauge("token_usage", "Share of the KV pool held by live requests (0..1)")
@@ -78,9 +87,14 @@ class ServerMetrics:
         self.spec_accept_length = gauge("spec_accept_length", "Mean tokens per speculative verify round, over the "
                                                               "finished requests")
         self._spec_sums = [0, 0]  # tokens, rounds
+        self.vllm = VllmMetrics(model_name)
+        self.sglang = SglangMetrics(model_name)
+        registry.register(self.vllm)
+        registry.register(self.sglang)
 
-    def on_engine_ready(self) -> None:
+    def on_engine_ready(self, ready: EngineReady) -> None:
         self.engine_alive.set(1)
+        self.vllm.on_engine_ready(ready)
 
     def on_engine_dead(self) -> None:
         self.engine_alive.set(0)
@@ -93,9 +107,12 @@ class ServerMetrics:
         self.num_used_tokens.set(stats.num_used_tokens)
         for tokens in stats.step_prefill_tokens:
             self.step_prefill.observe(tokens)
+        self.vllm.on_stats(stats)
+        self.sglang.on_stats(stats, time.monotonic())
 
     def on_queued(self, seconds: float) -> None:
         self.queue_time.observe(seconds)
+        self.vllm.on_queued(seconds)
 
     def on_first_tokens(self, prompt_tokens: int, cached_tokens: int, ttft: float) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -104,6 +121,8 @@ class ServerMetrics:
         self._cached_sum += cached_tokens
         self.cache_hit_rate.set(self._cached_sum / self._prompt_sum if self._prompt_sum else 0.0)
         self.ttft.observe(ttft)
+        self.vllm.on_first_tokens(prompt_tokens, cached_tokens, ttft)
+        self.sglang.on_first_tokens(prompt_tokens, cached_tokens, ttft)
 
     def on_tokens(self, n: int, since_previous: float | None) -> None:
         """`n` tokens arrived together, `since_previous` seconds after the request's previous ones."""
@@ -111,17 +130,19 @@ class ServerMetrics:
         if since_previous is not None:
             for _ in range(n):
                 self.itl.observe(since_previous / n)
+        self.vllm.on_tokens(n, since_previous)
+        self.sglang.on_tokens(n, since_previous)
 
-    def on_finish(self, finish_reason: str, e2e: float) -> None:
-        self._requests.labels(self._model_name, finish_reason).inc()
-        self.e2e.observe(e2e)
-
-    def on_targets(self, priority: int, ttft: float, mean_itl: float | None) -> None:
-        """A finished request's TTFT and mean inter-token latency (None: one token) against the targets."""
-        ttft_target, itl_target = self._targets
-        met = (ttft_target is None or ttft <= ttft_target) and \
-            (itl_target is None or mean_itl is None or mean_itl <= itl_target)
-        self._within.labels(self._model_name, str(priority), "met" if met else "missed").inc()
+    def on_finish(self, req: FinishedRequest) -> None:
+        self._requests.labels(self._model_name, req.finish_reason).inc()
+        self.e2e.observe(req.e2e)
+        if req.ttft is not None:  # goodput: its TTFT and mean inter-token latency against the targets
+            ttft_target, itl_target = self._targets
+            met = (ttft_target is None or req.ttft <= ttft_target) and \
+                (itl_target is None or req.mean_itl is None or req.mean_itl <= itl_target)
+            self._within.labels(self._model_name, str(req.priority), "met" if met else "missed").inc()
+        self.vllm.on_finish(req)
+        self.sglang.on_finish(req)
 
     def on_spec_rounds(self, histogram: list[int]) -> None:
         """A finished request's verify rounds: entry k counts the rounds that committed k tokens."""

@@ -83,6 +83,14 @@ class ServerState:
         if not self.client.alive:
             raise self.client.dead_error()
 
+    def check_health(self) -> None:
+        """/health's answer: `check_alive`, and a 503 while the engine holds requests but its loop has
+        stopped advancing (see EngineClient.stall_error). Only the probe says so: new requests still
+        queue, and the engine answers them if it was only slow."""
+        self.check_alive()
+        if (error := self.client.stall_error()) is not None:
+            raise error
+
     def admit(self, choices: int, param: str) -> Ticket:
         self.check_alive()
         return self.admission.admit(choices, param)
