@@ -100,12 +100,13 @@ def record(base_url: str, model: str) -> dict[str, Any]:
 
 
 def differences(ours: Any, theirs: Any, where: str = "") -> list[str]:
-    """Where two shapes differ; a null on either side matches any type (a value, not a shape)."""
+    """Where kestrel's shape lacks or contradicts vLLM's. A null on either side matches any type (a value,
+    not a shape), a key vLLM sends as null may be absent (clients read both as None), and keys only
+    kestrel sends (SGLang's extensions) are allowed."""
     if ours == theirs or "null" in (ours, theirs):
         return []
     if isinstance(ours, dict) and isinstance(theirs, dict):
-        out = [f"{where}.{k}: only in vLLM" for k in theirs.keys() - ours.keys()]
-        out += [f"{where}.{k}: only in kestrel" for k in ours.keys() - theirs.keys()]
+        out = [f"{where}.{k}: only in vLLM" for k in theirs.keys() - ours.keys() if theirs[k] != "null"]
         for k in ours.keys() & theirs.keys():
             out += differences(ours[k], theirs[k], f"{where}.{k}")
         return out
