@@ -244,6 +244,11 @@ class ServerConfig:
                                                 "of chat answers apart from the content (docs/reasoning.md); "
                                                 "gpt-oss with --tool-call-parser gpt-oss; default: none (the "
                                                 "reasoning is content)", choices=("deepseek-r1", "qwen3", "gpt-oss"))
+    score_template: str | None = option(None, "the prompt /v1/rerank and /v1/score give a decoder reranker, with "
+                                              "{query} and {document} (the text, or a file holding it); default: "
+                                              "Qwen3-Reranker's (docs/apis.md)")
+    score_tokens: str = option("yes,no", "the reranker's two answer tokens: the score is the first's probability "
+                                         "against the second's at the prompt's end (default: yes,no)")
 
 
 SECTIONS = {

@@ -13,7 +13,8 @@ class RequestOutput:
     ("stop" | "length" | "abort" | "error"; then `error` holds the message), matched_stop (token id or string that stopped it, or None),
     output_token_logprobs / output_top_logprobs ((logprob, token id) pairs; lists of (token id, logprob))
     when logprobs were asked for, and prompt_token_logprobs / prompt_top_logprobs, the same for every
-    prompt token (the first one's logprob and top list are None), when prompt_logprobs were.
+    prompt token (the first one's logprob and top list are None), when prompt_logprobs were; `pooled`
+    (the embedding, or the scores of `pooling.score_token_ids`) for a pooling request.
     """
 
     text: str

@@ -78,6 +78,13 @@ class Request:
     prompt_logprob_ranks: list[int] = field(default_factory=list)  # 1 + the tokens more likely than the prompt's
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
+    # params.pooling (kestrel.engine.pooling): prompt positions pooled so far (a mean's running sum of
+    # their hidden states, on the device, in `pool_sum`); a resumed request never matches a cached
+    # prefix past the positions it still has to pool. `pooled` is the result, set by the last chunk.
+    pooled_len: int = 0
+    pool_sum: Any = None
+    pooled: list[float] | None = None
+
     @property
     def fill_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids

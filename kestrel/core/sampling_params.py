@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kestrel.core.pooling_params import PoolingParams
+
 # The constraints a request's output may follow (SGLang's sampling parameter names); at most one.
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 PENALTY_FIELDS = ("repetition_penalty", "frequency_penalty", "presence_penalty")
@@ -74,6 +76,9 @@ class SamplingParams:
     ebnf: str | None = None
     structural_tag: str | dict[str, Any] | None = None
     grammar_after: tuple[int, ...] | None = None
+    # A prefill-only request (max_new_tokens=0) that returns its pooled hidden state or scores instead
+    # of tokens (kestrel.engine.pooling).
+    pooling: PoolingParams | None = None
     # Scheduling priority, vLLM's sense: a lower value is admitted first, and retracted last (default 0).
     priority: int = 0
     stop_strs: list[str] = field(init=False, repr=False, default_factory=list)
@@ -157,6 +162,10 @@ class SamplingParams:
                     bad(kind, "a dict of JSON values")
         if len(given) > 1:
             raise ValueError(f"{given[0]} and {given[1]} are both set: give at most one of {', '.join(GRAMMAR_KINDS)}")
+        if self.pooling is not None:
+            if self.max_new_tokens != 0:
+                bad("max_new_tokens", "0 for a pooling request (it runs the prefill only)")
+            self.pooling.validate(vocab_size)
         ids = self.stop_token_ids or []
         if not all(_is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size) for t in ids):
             bad("stop_token_ids", f"a list of token ids in [0, {vocab_size})")

@@ -382,6 +382,8 @@ class Engine:
         if req.params.prompt_logprobs is not None:  # the first prompt token has nothing to be scored on
             meta["prompt_token_logprobs"] = list(zip([None] + req.prompt_logprobs, req.prompt_ids))
             meta["prompt_top_logprobs"] = [None] + req.prompt_top_logprobs
+        if req.params.pooling is not None:  # the embedding, or the scores of pooling.score_token_ids
+            meta["pooled"] = req.pooled
         return RequestOutput(text=text, token_ids=list(req.output_ids), meta=meta, finished=req.finished)
 
     # ---- lifecycle -----------------------------------------------------------------------------

@@ -64,6 +64,12 @@ RULES: tuple[FeatureRule, ...] = (
         lambda field: "with speculative decoding, prompt_logprobs are not supported; serve scoring requests "
                       "without speculative_algorithm"),
     FeatureRule(
+        "speculative_algorithm set", "pooling (embeddings, rerank, score)",
+        "the same as prompt_logprobs: a prefill-only request samples no token for a draft to follow",
+        _speculating, lambda p: "pooling" if p.pooling is not None else None,
+        lambda field: "with speculative decoding, embeddings and scores are not supported; serve the pooling "
+                      "model without speculative_algorithm"),
+    FeatureRule(
         "tp_size > 1", _GRAMMARS,
         "a grammar's mask is filled on rank 0 after the previous step resolves; the other ranks would need "
         "it sent",

@@ -34,14 +34,15 @@ class Finishing:
     def decide(self, req: Request, token: int | None = None) -> Finish | None:
         """Whether `req` ends here. `token`: the token it has just taken (the last of its output); its
         grammar matcher and stop-string text take it too. None: before any token, where a request with
-        nothing to generate ends once its prompt needs no forward (none asked for its logprobs, or they
-        are scored), and one whose grammar allows only the empty string ends at once.
+        nothing to generate ends once its prompt needs no forward (none asked for its logprobs or its
+        pooling, or they are done), and one whose grammar allows only the empty string ends at once.
 
         Of the reasons that meet at one token, a stop string wins, then the grammar's end, then a stop
         token id or EOS (the grammar does not take those), then the length limit."""
         params = req.params
         if token is None:
-            if not params.max_new_tokens and (params.prompt_logprobs is None or req.kv_len >= len(req.prompt_ids)):
+            scoring = params.prompt_logprobs is not None or params.pooling is not None
+            if not params.max_new_tokens and (not scoring or req.kv_len >= len(req.prompt_ids)):
                 return Finish("length")
             if req.grammar is not None and not req.grammar.waiting and req.grammar.ended():
                 return Finish("stop")

@@ -14,6 +14,7 @@ from kestrel.cache.allocator import TokenToKVPoolAllocator
 from kestrel.cache.radix import RadixCache
 from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.core.request import Request, RequestStatus
+from kestrel.engine.pooling import first_unpooled
 
 
 class RequestKV:
@@ -37,13 +38,14 @@ class RequestKV:
     def match(self, req: Request) -> torch.Tensor:
         """Lock the longest cached prefix of req (at most len - 1 tokens: the last one must run to give
         the next token's logits; with prompt logprobs, none of the positions still to score, which must
-        run to give theirs); returns its slots.
+        run to give theirs; with pooling, none it still has to pool); returns its slots.
 
         With `recompute_last_match` (a feature draft, whose KV at position p depends on token p + 1, which
         the cached prefix does not fix for its last token) the last matched token is recomputed too."""
         end = len(req.prompt_ids) + len(req.output_ids) - 1
         if req.params.prompt_logprobs is not None and req.prompt_logprob_len < len(req.prompt_ids) - 1:
             end = min(end, req.prompt_logprob_len)
+        end = min(end, first_unpooled(req))
         slots, node = self.radix.match_prefix(req.fill_ids[:end])
         if self.recompute_last_match and len(slots):
             slots, node = self.radix.match_prefix(req.fill_ids[:len(slots) - 1])

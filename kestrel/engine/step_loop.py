@@ -35,7 +35,7 @@ from kestrel.core.forward_mode import ForwardMode
 from kestrel.core.outputs import StepInfo
 from kestrel.core.request import Request
 from kestrel.distributed.ranks import TPRanks
-from kestrel.engine import prompt_logprobs
+from kestrel.engine import pooling, prompt_logprobs
 from kestrel.engine.device_step import DeviceStep, Forwarded
 from kestrel.engine.grammar import GrammarBackend
 from kestrel.engine.scheduler import Scheduler
@@ -49,7 +49,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Launched:
     """A batch on the device: its sampled requests, their FutureTokens indices, the sample's host copy;
-    its prompt logprobs on their way to the host, and the requests it prefilled with nothing to sample.
+    its prompt logprobs and pooling results on their way to the host, and the requests it prefilled with
+    nothing to sample.
 
     Until `sample` is set, the batch's forward is launched but not its sampling (which waits for the
     grammar masks, see the module docstring): `forwarded` holds its inputs, `futures` are reserved."""
@@ -59,6 +60,7 @@ class _Launched:
     sample: PendingSample | None
     forwarded: Forwarded | None = None
     prompt: prompt_logprobs.PendingPromptLogprobs | None = None
+    pooled: pooling.PendingPooled | None = None
     prefill_only: list[Request] = dataclasses.field(default_factory=list)
     shape: StepShape | None = None  # what the step-cost model is told the batch's time was spent on
 
@@ -171,6 +173,8 @@ class StepLoop:
             self.ranks.step(batch, sampled, logit_rows, futures)
         forwarded = self.device_step.forward(batch, sampled, logit_rows)
         prompt = prompt_logprobs.launch(forwarded.out.logits, batch, asks) if asks else None
+        pool_asks = pooling.plan(batch)
+        pooled = pooling.launch(forwarded.out, batch, pool_asks) if pool_asks else None
         launched = None
         if sampled:
             launched = _Launched(sampled, futures, None, forwarded)
@@ -179,9 +183,9 @@ class StepLoop:
         prefill_only = self.scheduler.commit(batch, sampled, [[f] for f in futures])
         if self.spec_worker is not None:
             self.spec_worker.after_forward(batch, forwarded.out, rows, futures)
-        if prompt is not None or prefill_only:
+        if prompt is not None or pooled is not None or prefill_only:
             launched = launched or _Launched([], [], None)
-            launched.prompt, launched.prefill_only = prompt, prefill_only
+            launched.prompt, launched.pooled, launched.prefill_only = prompt, pooled, prefill_only
         if launched is not None and self._timed:
             launched.shape = StepShape.of(batch)
         return launched
@@ -226,6 +230,8 @@ class StepLoop:
                                            [[f] for f in launched.futures], logprobs, tops)
         if launched.prompt is not None:
             launched.prompt.apply()
+        if launched.pooled is not None:
+            launched.pooled.apply()
         for req in launched.prefill_only:
             if not req.finished:  # an aborted one was reported when it was aborted
                 self.scheduler.finish_if_done(req)

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kestrel.server import anthropic_api, native_api, openai_api, openapi, responses_api, tokenize_api
+from kestrel.server import anthropic_api, native_api, openai_api, openapi, pooling_api, responses_api, tokenize_api
 from kestrel.server.body_limit import BodyLimitMiddleware
 from kestrel.server.errors import APIError
 from kestrel.server.metrics import CONTENT_TYPE
@@ -30,7 +30,8 @@ KESTREL_VERSION = version("kestrel")
 
 
 def _protected(path: str) -> bool:
-    return path.startswith("/v1/") or path in ("/v1", "/generate", "/tokenize", "/detokenize", "/server_info")
+    return path.startswith(("/v1/", "/v2/")) or path in ("/v1", "/generate", "/tokenize", "/detokenize", "/server_info",
+                                                         "/rerank", "/score")
 
 
 class APIKeyMiddleware:
@@ -164,6 +165,21 @@ def build_app(state: ServerState, max_request_bytes: int, request_read_timeout: 
     @app.get("/v1/responses/{response_id}")
     async def responses_retrieve(response_id: str) -> Response:
         return await responses_api.retrieve(state, response_id)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await pooling_api.embeddings(state, request)
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(request: Request) -> Response:
+        return await pooling_api.rerank(state, request)
+
+    @app.post("/v1/score")
+    @app.post("/score")
+    async def score(request: Request) -> Response:
+        return await pooling_api.score(state, request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

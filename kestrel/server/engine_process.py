@@ -237,6 +237,7 @@ class EngineLoop:
             prompt_logprobs=req.prompt_logprobs if prompt else None,
             prompt_logprob_ranks=req.prompt_logprob_ranks if prompt else None,
             prompt_top_logprobs=req.prompt_top_logprobs if prompt else None,
+            pooled=req.pooled if req.finished else None,
             queue_time=req.scheduled_at - req.queued_at if start == 0 and req.scheduled_at is not None else None)
 
     def _send_stats(self) -> None:

@@ -50,6 +50,7 @@ class Choice:
     prompt_logprobs: list[float] | None = None  # params.prompt_logprobs: set with the choice's first update
     prompt_logprob_ranks: list[int] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    pooled: list[float] | None = None  # a pooling request's result (SamplingParams.pooling), once finished
 
     @property
     def finished(self) -> bool:
@@ -132,6 +133,7 @@ class Generation:
             choice.text += new_text
             choice.token_ids += delta.token_ids
             choice.cached_tokens = delta.cached_tokens
+            choice.pooled = delta.pooled if delta.pooled is not None else choice.pooled
             choice.spec_accept_histogram = delta.spec_accept_histogram or choice.spec_accept_histogram
             if delta.prompt_logprobs is not None:
                 choice.prompt_logprobs, choice.prompt_top_logprobs = delta.prompt_logprobs, delta.prompt_top_logprobs

@@ -22,6 +22,7 @@ from kestrel.server.admission import AdmissionControl
 from kestrel.server.app import build_app
 from kestrel.server.engine_client import EngineClient, EngineStartError
 from kestrel.server.metrics import ServerMetrics
+from kestrel.server.pooling_model import PoolingConfigError, read_embedder, read_scorer
 from kestrel.server.read_timeout import header_timeout_protocol
 from kestrel.server.shutdown import CONNECTION_GRACE_S, Drain, Server
 from kestrel.server.state import ServerState
@@ -81,6 +82,11 @@ def serve(config: EngineConfig, served_model_names: Sequence[str] = ()) -> int:
     tokenization: Tokenization | None = None
     try:
         tokenizer = load_tokenizer(config.model.tokenizer or config.model.model, required=False)
+        try:
+            embedder = read_embedder(config.model.model)
+            scorer = read_scorer(server_config.score_template, server_config.score_tokens, tokenizer)
+        except PoolingConfigError as e:
+            raise ServerStartError(str(e)) from None
         if tokenizer is not None:
             tokenization = Tokenization(tokenizer, server_config.tokenizer_pool_size)
             workers_started = tokenization.start()
@@ -102,7 +108,7 @@ def serve(config: EngineConfig, served_model_names: Sequence[str] = ()) -> int:
         reasoning = reasoning_parser(server_config.reasoning_parser) if server_config.reasoning_parser else None
         state = ServerState(client, tokenization, name, config.model.model, metrics, admission,
                             server_config.api_key, parser, reasoning, tuple(aliases),
-                            ResponseStore(server_config.responses_store_size))
+                            ResponseStore(server_config.responses_store_size), embedder, scorer)
         debug = server_config.log_level.lower() == "debug"
         # Drain ends every request before uvicorn stops, so uvicorn's own grace period only bounds a
         # connection still sending its request.

@@ -85,6 +85,7 @@ class TokenDelta:
     prompt_logprobs: list[float] | None = None
     prompt_logprob_ranks: list[int] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    pooled: list[float] | None = None  # a finished pooling request's result (SamplingParams.pooling)
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     matched_stop: int | str | None = None

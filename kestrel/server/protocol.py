@@ -273,7 +273,9 @@ def _native_sampling_body() -> type[BaseModel]:
     """SGLang's `sampling_params` as a strict body model, built from SamplingParams' own fields and
     types (so the two cannot drift apart), plus n."""
     hints = typing.get_type_hints(SamplingParams)
-    fields: dict[str, Any] = {f.name: (hints[f.name], f.default) for f in dataclasses.fields(SamplingParams) if f.init}
+    # pooling is not a sampling parameter a client sets: the embeddings and scoring routes set it.
+    fields: dict[str, Any] = {f.name: (hints[f.name], f.default) for f in dataclasses.fields(SamplingParams)
+                              if f.init and f.name != "pooling"}
     fields["logit_bias"] = (dict[str, float] | None, None)  # JSON object keys are strings: logit_bias_ids
     return create_model("SamplingParamsBody", __base__=_Body, n=(int, Field(1, ge=1, le=MAX_N)), **fields)
 

@@ -19,6 +19,7 @@ from kestrel.server.engine_client import EngineClient
 from kestrel.server.errors import APIError, bad_request, from_validation_error
 from kestrel.server.generation import Generation
 from kestrel.server.metrics import ServerMetrics
+from kestrel.server.pooling_model import Embedder, Scorer
 from kestrel.server.protocol import fit_max_tokens, prompt_too_long, validated
 from kestrel.server.request_limits import check_nesting
 from kestrel.server.response_store import ResponseStore
@@ -45,6 +46,9 @@ class ServerState:
     # The Responses API's stored responses (--responses-store-size).
     responses: ResponseStore = field(
         default_factory=lambda: ResponseStore(ServerConfig.responses_store_size))
+    # How the model embeds and scores (kestrel.server.pooling_model); None: it does not.
+    embedder: Embedder | None = None
+    scorer: Scorer | None = None
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
