@@ -32,7 +32,7 @@ from kestrel.models.deepseek_v3.config import V3Config, parse_v3_config
 RENAMES = ((r"\.mlp\.shared_experts\.gate_proj\.", ".mlp.shared_experts.w1."),
            (r"\.mlp\.shared_experts\.up_proj\.", ".mlp.shared_experts.w3."),
            (r"\.mlp\.shared_experts\.down_proj\.", ".mlp.shared_experts.w2."),
-           (r"\.self_attn\.kv_b_proj\.weight$", ".self_attn.attn.kv_b_proj"))
+           (r"\.self_attn\.kv_b_proj\.", ".self_attn.attn.kv_b_proj."))
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
