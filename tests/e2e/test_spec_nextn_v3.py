@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3ForCausalLM
 
-from kestrel import Engine, SamplingParams
+from kestrel import Engine, SamplingParams, envs
 from tests.e2e.conftest import assert_pool_full
 from tests.e2e.test_spec_nextn import record_draft_extends
 from tests.model.dsv3_tiny import make_dsv3
@@ -163,3 +163,50 @@ def test_verify_rollback_with_drafts_that_are_partly_right(tiny, plain, monkeypa
         assert [o.token_ids for o in outs] == plain
         assert {1, 2, 3}.issubset(set(engine.spec_worker.accept_lengths))
         assert_pool_full(engine)
+
+
+def test_block_fp8_checkpoint_drafts_with_fp8_linears_and_greedy_equals_plain_fp8_greedy(tiny, tmp_path):
+    """The same checkpoint in DeepSeek's FP8 layout (e4m3 + 128 x 128 weight_scale_inv, the MTP layer
+    included; the dense layer's MLP stays float: its merged gate|up rows are not 128-aligned at these
+    sizes): the draft's linears are FP8 as the target's, its kv_b_proj dequantised at load."""
+    from kestrel.layers.fp8_linear import Fp8Linear
+    from kestrel.quant.fp8 import quantize_blocks
+
+    src = tiny[0]
+    tensors = {}
+    for name, t in load_file(f"{src}/model.safetensors").items():
+        if t.dim() == 2 and ".layers." in name and ".layers.0.mlp." not in name and not name.endswith(
+                ("mlp.gate.weight", "embed_tokens.weight", "shared_head.head.weight")):
+            tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = quantize_blocks(t)
+        else:
+            tensors[name] = t
+    config = json.loads(open(f"{src}/config.json").read())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    chosen = prompts()[:2]
+    with Engine(model=str(tmp_path), **COMMON) as engine:
+        expected = [o.token_ids for o in engine.generate(prompt_token_ids=chosen, sampling_params=greedy(8))]
+    with Engine(model=str(tmp_path), speculative_algorithm="NEXTN", **COMMON) as engine:
+        mtp = engine.spec_worker.draft.model.mtp
+        assert isinstance(mtp.eh_proj, Fp8Linear) and isinstance(mtp.self_attn.q_b_proj, Fp8Linear)
+        assert mtp.self_attn.attn.kv_b_proj.dtype == torch.float32
+        outs = engine.generate(prompt_token_ids=chosen, sampling_params=greedy(8))
+        assert [o.token_ids for o in outs] == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and not envs.triton_interpret(),
+                    reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+def test_triton_mla_draft_backends_greedy_equals_plain_greedy(tiny):
+    """The Triton MLA backend for target and draft (the draft's two decode steps and its extend each a
+    TritonMLABackend over the draft's latent pool): NEXTN tokens equal plain greedy."""
+    chosen, triton = prompts()[:2], dict(COMMON, attention_backend="triton")
+    with Engine(model=tiny[0], **triton) as engine:
+        expected = [o.token_ids for o in engine.generate(prompt_token_ids=chosen, sampling_params=greedy(6))]
+    with Engine(model=tiny[0], speculative_algorithm="NEXTN", **triton) as engine:
+        worker = engine.spec_worker
+        assert [type(b).__name__ for b in [worker.runner.attn_backend, *worker.lanes.backends]] == \
+            ["TritonMLABackend"] * 3
+        outs = engine.generate(prompt_token_ids=chosen, sampling_params=greedy(6))
+        assert [o.token_ids for o in outs] == expected
