@@ -210,3 +210,14 @@ def test_triton_mla_draft_backends_greedy_equals_plain_greedy(tiny):
             ["TritonMLABackend"] * 3
         outs = engine.generate(prompt_token_ids=chosen, sampling_params=greedy(6))
         assert [o.token_ids for o in outs] == expected
+
+
+def test_trees_greedy_equals_plain_greedy(tiny, plain):
+    """MLA keeps no per-request state, so a V3 target verifies trees: top-2 over 3 steps, 6 nodes."""
+    tree = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+    with Engine(model=tiny[0], speculative_algorithm="NEXTN", **tree, **COMMON) as engine:
+        modes = []
+        engine.add_step_hook(lambda info: modes.append(info.mode))
+        outs = engine.generate(prompt_token_ids=prompts(), sampling_params=greedy(12))
+        assert [o.token_ids for o in outs] == plain and "target_verify" in modes
+        assert_pool_full(engine)
