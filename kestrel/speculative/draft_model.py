@@ -81,11 +81,28 @@ def load_draft(config: Any, target: CausalLM, dtype: torch.dtype, device: torch.
         return Draft(HeadAsModel(head), layout, uses_features=True, target_capture=head.target_hidden_layers,
                      features=head.project_target_hidden)
     if algorithm == "NEXTN":  # its KV in the target's entry format (SGLang's MTP ring is FP8 too)
-        return _nextn_draft(target, kv_cache_dtype(config.cache.kv_cache_dtype, dtype))
+        from kestrel.models.deepseek_v3.model import DeepseekV3ForCausalLM
+
+        kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
+        if isinstance(target, DeepseekV3ForCausalLM):
+            return _v3_nextn_draft(config, target, dtype, device, kernels, kv_dtype)
+        return _v4_nextn_draft(target, kv_dtype)
     raise ValueError(f"speculative_algorithm={algorithm} has no draft model kestrel can run here")
 
 
-def _nextn_draft(target: nn.Module, kv_dtype: torch.dtype) -> Draft:
+def _v3_nextn_draft(config: Any, target: CausalLM, dtype: torch.dtype, device: torch.device, kernels: Kernels,
+                    kv_dtype: torch.dtype) -> Draft:
+    """A DeepSeek-V3-family target's MTP layer, read from its own folder: an MLA layer over its own KV
+    pool, reading the target's final-normed hidden state (its `token_hidden`)."""
+    from kestrel.models.deepseek_v3.mtp import load_v3_mtp_draft
+
+    spec = config.speculative
+    model = load_v3_mtp_draft(spec.speculative_draft_model_path, target, config.model.hf_config, dtype, device,
+                              kernels, config.model.load_format)
+    return Draft(model, model.kv_layout(kv_dtype), uses_features=True)
+
+
+def _v4_nextn_draft(target: nn.Module, kv_dtype: torch.dtype) -> Draft:
     """The target's own MTP layer (a DeepSeek-V4 target: `resolve_speculative` checked), reading the
     target's pre-hc_head streams; `kv_dtype`: the target's KV pool dtype (`mtp_kv_layout`)."""
     from kestrel.models.deepseek_v4.kv_layout import mtp_kv_layout

@@ -111,6 +111,14 @@ def _dsv4_target(target_hf: dict[str, Any]) -> bool:
     return needs_dsv4_attention(target_hf.get("architectures") or [])
 
 
+def _mtp_target(target_hf: dict[str, Any]) -> bool:
+    """A family whose checkpoints carry MTP layers kestrel drafts with: DeepSeek-V4's (`mtp.*`) and
+    DeepSeek-V3's (layer `num_hidden_layers`, shared by R1, V3.1 and Kimi-K2's class)."""
+    from kestrel.models.registry import needs_mla_attention
+
+    return _dsv4_target(target_hf) or needs_mla_attention(target_hf.get("architectures") or [])
+
+
 def _llama_like(target_hf: dict[str, Any]) -> bool:
     from kestrel.models.llama import LlamaForCausalLM
     from kestrel.models.registry import supported_architectures, model_class
@@ -144,9 +152,10 @@ def _draft_path(spec: "SpeculativeConfig", target_path: str, target_hf: dict[str
     if algorithm == "NEXTN" and not (draft_hf.get("num_nextn_predict_layers") or draft_hf.get("n_mtp_layers")):
         raise ValueError(f"NEXTN drafts with the MTP layers of the checkpoint at {path}, which has none "
                          "(num_nextn_predict_layers is unset); use EAGLE/EAGLE3 with a head or STANDALONE")
-    if algorithm == "NEXTN" and not _dsv4_target(target_hf):
-        raise ValueError(f"NEXTN drafts with a DeepSeek-V4 target's MTP layer; {target_hf.get('architectures')} has "
-                         "none kestrel can run (use EAGLE/EAGLE3 with a head, or STANDALONE)")
+    if algorithm == "NEXTN" and not _mtp_target(target_hf):
+        raise ValueError(f"NEXTN drafts with the MTP layer of a DeepSeek-V3 / V4 target (R1, V3.1 and Kimi-K2 "
+                         f"included); {target_hf.get('architectures')} has none kestrel can run (use EAGLE/EAGLE3 "
+                         "with a head, or STANDALONE)")
     if algorithm in ("EAGLE", "EAGLE3"):
         from kestrel.models.llama_eagle import check_eagle_head
 

@@ -35,6 +35,7 @@ def dirs(tmp_path):
         "other_vocab": _folder(tmp_path / "other_vocab", vocab_size=1000),
         "mtp": _folder(tmp_path / "mtp", **v4_config()),
         "v3_mtp": _folder(tmp_path / "v3_mtp", architectures=["DeepseekV3ForCausalLM"], num_nextn_predict_layers=1),
+        "llama_mtp": _folder(tmp_path / "llama_mtp", num_nextn_predict_layers=1),
     }
 
 
@@ -51,6 +52,7 @@ def shape(s) -> tuple[int, int, int]:
     ("EAGLE3", "eagle3", "target", (5, 4, 8)),
     ("STANDALONE", "draft", "target", (3, 1, 4)),  # chains for draft models and MTP layers
     ("NEXTN", None, "mtp", (3, 1, 4)),
+    ("NEXTN", None, "v3_mtp", (3, 1, 4)),  # DeepSeek-V3 / R1 / V3.1 / Kimi-K2 with an MTP layer
     ("NGRAM", None, "target", (11, 10, 12)),  # SGLang's 12 tokens, breadth up to 10
 ])
 def test_auto_choice_when_none_of_the_three_is_set(dirs, algorithm, draft, model, expected):
@@ -171,6 +173,13 @@ def test_nextn_on_deepseek_v4_takes_chains_and_the_targets_own_mtp_layer(dirs, t
         resolve_config(EngineConfig.from_flat(**cfg, speculative_draft_model_path=dirs["mtp"]))
 
 
-def test_nextn_is_refused_on_a_target_that_is_not_deepseek_v4(dirs):
-    with pytest.raises(ValueError, match=r"NEXTN drafts with a DeepSeek-V4 target's MTP layer; \['DeepseekV3ForCausalLM'\]"):
-        spec(dirs, model="v3_mtp", speculative_algorithm="NEXTN")
+def test_nextn_is_refused_on_a_target_that_is_not_deepseek_v3_or_v4(dirs):
+    with pytest.raises(ValueError, match=r"NEXTN drafts with the MTP layer of a DeepSeek-V3 / V4 target .*; "
+                                         r"\['LlamaForCausalLM'\] has none"):
+        spec(dirs, model="llama_mtp", speculative_algorithm="NEXTN")
+
+
+def test_nextn_on_deepseek_v3_may_draft_trees(dirs):
+    """MLA keeps no per-request state, so a V3 target verifies trees (unlike V4)."""
+    tree = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+    assert shape(spec(dirs, model="v3_mtp", speculative_algorithm="NEXTN", **tree)) == (3, 2, 6)

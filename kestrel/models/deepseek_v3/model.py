@@ -1,12 +1,14 @@
 """DeepSeek-V3 (V3, R1, V3.1; Kimi-K2 has the same architecture): MLA attention (attention.py), the first
 `first_k_dense_replace` layers with a dense MLP and the rest with the shared MoE layer (sigmoid routing
 with a correction bias, group-limited top-k, one shared expert). The checkpoint's MTP layers (layer
-ids from `num_hidden_layers` on) are not the target's: it skips them (transformers' folders have none).
+ids from `num_hidden_layers` on) are not the target's: it skips them (transformers' folders have none);
+a NEXTN draft reads the first (mtp.py).
 
 Parameter names are the checkpoint's (transformers' and DeepSeek's agree), except the shared expert's
 `gate_proj|up_proj|down_proj` -> `w1|w3|w2` and the dense MLP's gate|up, merged into `gate_up_proj`.
 FP8 checkpoints (128 x 128 block scales) load as the Llama family's do: their linears become FP8
-layers, the experts are dequantised by the MoE layer's loader.
+layers, the experts are dequantised by the MoE layer's loader and `kv_b_proj` by the MLA layer's
+(kestrel/layers/mla.py), which splits it into the absorbed W_UK / W_UV.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from kestrel.models.deepseek_v3.config import V3Config, parse_v3_config
 RENAMES = ((r"\.mlp\.shared_experts\.gate_proj\.", ".mlp.shared_experts.w1."),
            (r"\.mlp\.shared_experts\.up_proj\.", ".mlp.shared_experts.w3."),
            (r"\.mlp\.shared_experts\.down_proj\.", ".mlp.shared_experts.w2."),
-           (r"\.self_attn\.kv_b_proj\.weight$", ".self_attn.attn.kv_b_proj"))
+           (r"\.self_attn\.kv_b_proj\.", ".self_attn.attn.kv_b_proj."))
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -109,7 +111,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         return self.model.embed_tokens
 
     def kv_layout(self, dtype: torch.dtype, speculative_tokens: int = 1) -> KVLayout:
-        """One latent + rope key per token of each main layer, the same on every tensor-parallel rank;."""
+        """One latent + rope key per token of each main layer, the same on every tensor-parallel rank (a
+        NEXTN draft's pools hold its MTP layer's, `V3MTPDraft.kv_layout`)."""
         cfg = self.config
         return KVLayout.latent_attention(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype)
 
