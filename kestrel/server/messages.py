@@ -1,9 +1,10 @@
 """The message schema between the HTTP process and the engine process (pickled over pipes).
 
-HTTP → engine: `AddRequests`, `AbortRequests`, `Shutdown`.
+HTTP → engine: `AddRequests`, `AbortRequests`, `LoRACommand`, `Shutdown`.
 Engine → HTTP: first exactly one of `EngineReady` / `EngineFailed`; then `Admission` (one per
-`AddRequests`, always before any output of its requests), `StepOutput` (one per step that changed
-something) and `EngineStats` (when the engine goes idle, and periodically while busy).
+`AddRequests`, always before any output of its requests), `LoRAReply` (one per `LoRACommand`),
+`StepOutput` (one per step that changed something) and `EngineStats` (when the engine goes idle, and
+periodically while busy).
 
 Every request reports exactly one `TokenDelta` with `finished=True`, including aborted ones, after
 which the engine has forgotten it.
@@ -22,6 +23,7 @@ class NewRequest:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    lora_name: str | None = None  # the LoRA adapter it runs with; None: the base model
 
 
 @dataclass
@@ -38,6 +40,15 @@ class AbortRequests:
 
 
 @dataclass
+class LoRACommand:
+    """Load (`path` given) or unload (`path` None) the LoRA adapter `name`."""
+
+    id: str
+    name: str
+    path: str | None = None
+
+
+@dataclass
 class Shutdown:
     """Abort whatever still runs and exit."""
 
@@ -51,6 +62,7 @@ class EngineReady:
     max_total_tokens: int  # KV pool size in tokens
     context_length: int
     rank_pids: list[int] = field(default_factory=list)  # tensor-parallel ranks 1.. on this node
+    lora_adapters: dict[str, str] | None = None  # --enable-lora: loaded adapters, name -> path; None: off
 
 
 @dataclass
@@ -96,3 +108,13 @@ class TokenDelta:
 @dataclass
 class StepOutput:
     deltas: list[TokenDelta] = field(default_factory=list)
+
+
+@dataclass
+class LoRAReply:
+    """The outcome of a `LoRACommand`: the adapters loaded now, or the error (status 400 / 404)."""
+
+    id: str
+    adapters: dict[str, str]
+    error: str | None = None
+    status: int = 400
