@@ -13,7 +13,7 @@ from kestrel.config_resolve import resolve_config
 # --help lists the sections in this order, each under its name.
 SECTION_TITLES = {"model": "model", "cache": "KV cache", "scheduler": "scheduler", "attention": "attention",
                   "speculative": "speculative decoding", "cuda_graph": "CUDA graphs", "parallel": "parallelism",
-                  "server": "server"}
+                  "server": "server", "lora": "LoRA"}
 
 
 def _flag(name: str) -> str:
@@ -39,6 +39,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> dict[str, argparse._Arg
         kind = _argparse_type(SECTIONS[section] if section else EngineConfig, field)
         if kind is bool:
             group.add_argument(*names, dest=name, action="store_true", help=field.metadata["help"])
+        elif typing.get_origin(kind) is tuple:  # a list of values: --lora-paths a=/x b=/y
+            group.add_argument(*names, dest=name, nargs="+", type=str, default=None, help=field.metadata["help"])
         else:
             # Choices show as the metavar; the subsystem that reads the field refuses others, with its reason.
             choices = field.metadata["choices"]

@@ -251,10 +251,30 @@ class ServerConfig:
                                          "against the second's at the prompt's end (default: yes,no)")
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served over the base model, picked per request (docs/lora.md)"""
+
+    enable_lora: bool = option(False, "serve LoRA adapters: those of --lora-paths, and any loaded later through "
+                                      "POST /v1/load_lora_adapter")
+    lora_paths: tuple[str, ...] | None = option(None, "adapters loaded at start-up, each NAME=PATH (a PEFT folder: "
+                                                      "adapter_config.json + adapter_model.safetensors) or a PATH "
+                                                      "named by its folder")
+    max_loras_per_batch: int = option(8, "distinct adapters one batch may mix: the GPU pool's slots; a request "
+                                         "whose adapter finds no free slot waits (default 8)")
+    max_loaded_loras: int | None = option(None, "adapters held in host memory at once, loading past it is refused "
+                                                "(default: no limit)")
+    max_lora_rank: int | None = option(None, "largest adapter rank the pool holds (default: the largest of 16 "
+                                             "and the ranks of --lora-paths)")
+    lora_target_modules: tuple[str, ...] | None = option(None, "projections adapters may target, of q_proj k_proj "
+                                                               "v_proj o_proj gate_proj up_proj down_proj (default: "
+                                                               "all of them)")
+
+
 SECTIONS = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "attention": AttentionConfig,
     "speculative": SpeculativeConfig, "cuda_graph": CudaGraphConfig, "parallel": ParallelConfig,
-    "server": ServerConfig,
+    "server": ServerConfig, "lora": LoRAConfig,
 }
 
 
@@ -268,6 +288,7 @@ class EngineConfig:
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     device: str = option("auto", "auto (cuda when a GPU is present), cpu, cuda or cuda:N", group="model")
     resolved: bool = field(default=False, metadata={"decided": True})
 

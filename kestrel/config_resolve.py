@@ -30,6 +30,7 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     from kestrel.cache.kv_events_config import parse_kv_events_config
     from kestrel.distributed.resolve import check_parallel
     from kestrel.hf_config import read_hf_config
+    from kestrel.lora.resolve import resolve_lora
     from kestrel.quant.resolve import resolve_quantization
     from kestrel.speculative.draft_backends import draft_backend_plan
     from kestrel.speculative.resolve import resolve_speculative
@@ -108,8 +109,9 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     _check_server(config.server)
     _checked_choice(config.attention, "triton_decode_split")
     check_parallel(config.parallel, hf, device, speculative, quantization)
+    lora = resolve_lora(config.lora, quantization, config.parallel.tp_size)
     out = dataclasses.replace(
-        config, device=device, cache=cache, scheduler=scheduler, speculative=speculative,
+        config, device=device, cache=cache, scheduler=scheduler, speculative=speculative, lora=lora,
         model=dataclasses.replace(config.model, model=model_path, dtype=dtype, context_length=context_length,
                                   quantization=quantization, hf_config=hf,
                                   tokenizer=config.model.tokenizer and resolve_model_path(config.model.tokenizer)),

@@ -45,6 +45,7 @@ class ScheduledBatch:
     logits_at_all_tokens: bool = False  # False: logits at each request's last new token only
     full_logits: tuple[int, ...] = ()  # requests (batch indices) with logits at every new token (prompt logprobs)
     capture_hidden: tuple[int, ...] = ()  # layers whose input hidden states are returned (see ModelRunner)
+    lora_slots: list[int] = field(default_factory=list)  # per request: its LoRA adapter's pool slot, -1 none
     reqs: list["Request"] = field(default_factory=list)
 
     @property

@@ -46,6 +46,7 @@ class ForwardBatch:
     capture_hidden: tuple[int, ...] = ()  # layers whose input hidden state the model keeps, in this order
     captured_hidden: torch.Tensor | None = None  # set by the model: [T, hidden * len(capture_hidden)]
     spec_features: torch.Tensor | None = None  # [T, F]: a draft head's feature input (kestrel.speculative)
+    lora_slots: torch.Tensor | None = None  # [T] int64: each token's LoRA adapter slot, -1 none (kestrel.lora)
 
     @property
     def batch_size(self) -> int:

@@ -55,6 +55,8 @@ class Request:
     queued_at: float | None = None
     scheduled_at: float | None = None
     prefilled_len: int = 0  # prompt tokens prefilled before its chunked prefill was paused (policy.py)
+    lora: Any = None  # kestrel.lora.adapter.LoRAAdapter the request runs with; None: the base model
+    lora_slot: int = -1  # its adapter's pool slot while admitted (pinned), else -1
 
     @property
     def spec_rounds(self) -> int:

@@ -97,7 +97,9 @@ class Engine:
                                 events=self.kv_events)
         self.scheduler = Scheduler(sched, alloc, self.radix, self.kv_memory.req_to_token, self.eos_token_ids,
                                    self.kv_memory.max_req_len,
-                                   recompute_last_match=draft is not None and draft.uses_features)
+                                   recompute_last_match=draft is not None and draft.uses_features,
+                                   lora=parts.lora)
+        self.lora = parts.lora
         self.sampler = Sampler(triton_argmax=triton_on_device(config))
         self._seed_rng = random.Random(sched.random_seed)
         self._arrivals = itertools.count()
@@ -121,9 +123,12 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
-                    sampling_params: SamplingParams | None = None, rid: str | None = None) -> str:
-        """Validate and queue one request; returns its id. Raises ValueError on bad input."""
+                    sampling_params: SamplingParams | None = None, rid: str | None = None,
+                    lora_name: str | None = None) -> str:
+        """Validate and queue one request; returns its id. Raises ValueError on bad input. `lora_name`: a
+        loaded LoRA adapter to run with (LoRANotFoundError, a ValueError, when there is none)."""
         params = sampling_params or SamplingParams()
+        lora = self._lora_adapter(lora_name)
         params.validate(self.vocab_size)
         check_request(self.config, params)
         if (prompt is None) == (prompt_token_ids is None):
@@ -154,7 +159,7 @@ class Engine:
         if rid in self._reqs:
             raise ValueError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        req = Request(rid=rid, prompt_ids=ids, params=params, seed=seed, arrival=arrival, grammar=grammar)
+        req = Request(rid=rid, prompt_ids=ids, params=params, seed=seed, arrival=arrival, grammar=grammar, lora=lora)
         self._reqs[rid] = req
         if self.tokenizer is not None and params.stop_strs:
             # Stop strings need the text as it grows; other requests are detokenized once, at the end.
@@ -166,6 +171,31 @@ class Engine:
         else:
             self.scheduler.add(req)
         return rid
+
+    def _lora_adapter(self, name: str | None):
+        if name is None:
+            return None
+        if self.lora is None:
+            raise ValueError(f"the request names LoRA adapter {name!r}, but this engine serves none: start it with "
+                             f"--enable-lora")
+        return self.lora.get(name)
+
+    # ---- LoRA adapters ---------------------------------------------------------------------------
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT adapter folder under `name`; LoRAAdapterError (a ValueError) when it cannot be served."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with --enable-lora")
+        self.lora.load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Forget an adapter; requests already running with it finish with it."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with --enable-lora")
+        self.lora.unload(name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """Loaded adapters: name -> path."""
+        return {} if self.lora is None else {n: a.path for n, a in self.lora.adapters.items()}
 
     def _admit_compiled(self) -> list[Request]:
         """Queue the requests whose grammar has compiled, and finish with "error" those whose grammar
@@ -314,9 +344,10 @@ class Engine:
     def generate(self, prompts: str | list[str] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  prompt_token_ids: list[int] | list[list[int]] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_name: str | list[str | None] | None = None) -> list[RequestOutput]:
         """Run prompts (text, or token ids) to completion; outputs in input order. `use_tqdm`: a progress
-        bar of finished prompts, drawn only when stderr is a terminal."""
+        bar of finished prompts, drawn only when stderr is a terminal. `lora_name`: the LoRA adapter of
+        every prompt, or one per prompt (None: the base model)."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompts or prompt_token_ids")
         if prompts is not None:
@@ -327,10 +358,13 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
         if len(params) != len(items):
             raise ValueError(f"got {len(params)} sampling_params for {len(items)} prompts")
+        loras = lora_name if isinstance(lora_name, list) else [lora_name] * len(items)
+        if len(loras) != len(items):
+            raise ValueError(f"got {len(loras)} lora_name entries for {len(items)} prompts")
         rids = []
         try:
-            for item, p in zip(items, params):
-                rids.append(self.add_request(sampling_params=p, **item))
+            for item, p, lora in zip(items, params, loras):
+                rids.append(self.add_request(sampling_params=p, lora_name=lora, **item))
         except ValueError:
             for rid in rids:  # a bad prompt rejects the whole call; the others are not left behind
                 self.abort(rid)

@@ -15,12 +15,27 @@ from kestrel.cache.radix import RadixCache
 from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.core.request import Request, RequestStatus
 from kestrel.engine.pooling import first_unpooled
+from kestrel.lora.pool import LoRAPool
+
+# A LoRA request's radix key: its token ids moved above every vocabulary by its adapter's uid, so the
+# tree never matches KV across adapters (or with the base model) and needs no notion of adapters.
+LORA_KEY_SHIFT = 1 << 40
+
+
+def cache_key(req: Request, end: int | None = None) -> list[int]:
+    """The radix key of `req.fill_ids[:end]`."""
+    ids = req.fill_ids[:end]
+    if req.lora is None:
+        return ids
+    shift = req.lora.uid * LORA_KEY_SHIFT
+    return [t + shift for t in ids]
 
 
 class RequestKV:
     def __init__(self, allocator: TokenToKVPoolAllocator, radix: RadixCache, req_to_token: ReqToTokenPool,
-                 recompute_last_match: bool = False) -> None:
+                 recompute_last_match: bool = False, lora: LoRAPool | None = None) -> None:
         self.recompute_last_match = recompute_last_match
+        self.lora = lora
         self.allocator = allocator
         self.radix = radix
         self.req_to_token = req_to_token
@@ -46,9 +61,9 @@ class RequestKV:
         if req.params.prompt_logprobs is not None and req.prompt_logprob_len < len(req.prompt_ids) - 1:
             end = min(end, req.prompt_logprob_len)
         end = min(end, first_unpooled(req))
-        slots, node = self.radix.match_prefix(req.fill_ids[:end])
+        slots, node = self.radix.match_prefix(cache_key(req, end))
         if self.recompute_last_match and len(slots):
-            slots, node = self.radix.match_prefix(req.fill_ids[:len(slots) - 1])
+            slots, node = self.radix.match_prefix(cache_key(req, len(slots) - 1))
         self.radix.inc_lock_ref(node)
         req.last_node, req.cached_len, req.kv_len = node, len(slots), len(slots)
         return slots
@@ -58,8 +73,14 @@ class RequestKV:
         self.radix.dec_lock_ref(req.last_node)
         req.last_node, req.cached_len, req.kv_len = None, 0, 0
 
+    def lora_fits(self, req: Request) -> bool:
+        """Whether the request's adapter has (or can get) a pool slot now; a base-model request always fits."""
+        return req.lora is None or self.lora.can_acquire(req.lora)
+
     def admit(self, req: Request, cached_slots: torch.Tensor) -> None:
         req.req_pool_idx = self.req_to_token.alloc()
+        if req.lora is not None:
+            req.lora_slot = self.lora.acquire(req.lora)
         req.slots = cached_slots.tolist()
         if req.cached_len:
             self._record(req.req_pool_idx, 0, cached_slots)
@@ -91,7 +112,7 @@ class RequestKV:
     def commit_chunk(self, req: Request) -> None:
         """A prefill chunk ran: its tokens go to the tree so the request (and others) can share them."""
         slots = torch.tensor(req.slots[:req.kv_len], dtype=torch.int64)
-        tree_slots, node, cached = self.radix.cache_unfinished(req.fill_ids[:req.kv_len], slots, req.cached_len,
+        tree_slots, node, cached = self.radix.cache_unfinished(cache_key(req, req.kv_len), slots, req.cached_len,
                                                                req.last_node)
         req.slots[:cached] = tree_slots.tolist()
         self._record(req.req_pool_idx, 0, tree_slots)
@@ -143,11 +164,14 @@ class RequestKV:
         self.free_after(req, req.kv_len)
         slots = torch.tensor(req.slots, dtype=torch.int64)
         if cache:
-            self.radix.cache_finished(req.fill_ids[:req.kv_len], slots, req.cached_len, req.last_node)
+            self.radix.cache_finished(cache_key(req, req.kv_len), slots, req.cached_len, req.last_node)
         else:
             self.allocator.free(slots[req.cached_len:])
             self.radix.dec_lock_ref(req.last_node)
         self.req_to_token.free(req.req_pool_idx)
+        if req.lora_slot >= 0:
+            self.lora.release(req.lora_slot)
+            req.lora_slot = -1
         req.req_pool_idx, req.last_node, req.kv_len, req.cached_len, req.extend_len = None, None, 0, 0, 0
         req.slots = []
 

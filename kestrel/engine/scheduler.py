@@ -38,6 +38,7 @@ from kestrel.engine.finishing import Finishing
 from kestrel.engine.policy import SchedulePolicy
 from kestrel.engine.request_kv import RequestKV
 from kestrel.engine.step_cost import StepCostModel, StepShape
+from kestrel.lora.pool import LoRAPool
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +50,13 @@ RETRACT_HEADROOM_STEPS = 20
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: TokenToKVPoolAllocator, radix: RadixCache,
                  req_to_token: ReqToTokenPool, eos_token_ids: set[int], context_length: int,
-                 recompute_last_match: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+                 recompute_last_match: bool = False, clock: Callable[[], float] = time.monotonic,
+                 lora: LoRAPool | None = None) -> None:
+        """`lora`: the adapter pool (--enable-lora); a batch mixes at most its slots' adapters."""
         self.config = config
         self.clock = clock
         self.allocator = allocator
-        self.kv = RequestKV(allocator, radix, req_to_token, recompute_last_match)
+        self.kv = RequestKV(allocator, radix, req_to_token, recompute_last_match, lora)
         self.budget = AdmissionBudget(config, allocator.page_size)
         self.finisher = Finishing(eos_token_ids, context_length)
         self.waiting: list[Request] = []  # kept sorted by arrival, so retracted requests go back in place
@@ -175,7 +178,7 @@ class Scheduler:
         assert new_slots.numel() == len(input_ids), "allocations must follow the batch order"
         return ScheduledBatch(mode, [r.req_pool_idx for r in reqs], prefix, extend, input_ids, positions,
                               out_cache_loc=new_slots, table_writes=writes, kv_moves=moves,
-                              num_prefill=num_prefill, reqs=reqs)
+                              num_prefill=num_prefill, reqs=reqs, lora_slots=[r.lora_slot for r in reqs])
 
     def _schedule_suspect(self) -> Request | None:
         """A suspect's next prefill chunk, as a batch of its own (the others wait a step), if it fits."""
@@ -205,6 +208,8 @@ class Scheduler:
             if is_new and (len(self.running) + len(picked) + (self.chunked is not None)
                            >= self.config.max_running_requests or rows.available() == 0):
                 break
+            if is_new and not self.kv.lora_fits(req):
+                continue  # every pool slot holds another running adapter: it waits for one to free up
             if is_new:
                 assert not req.pending, "a waiting request's sampled tokens are resolved before it is admitted"
                 cached_slots = self.kv.match(req)

@@ -14,6 +14,8 @@ import torch
 from kestrel.cache.kv_memory import KVMemory, pool_size
 from kestrel.config import EngineConfig
 from kestrel.distributed.parallel_state import ParallelState
+from kestrel.lora.build import build_lora_pool
+from kestrel.lora.pool import LoRAPool
 from kestrel.models.base import CausalLM
 from kestrel.models.loader import load_model
 from kestrel.quant.kv import kv_cache_dtype
@@ -34,6 +36,7 @@ class RunnerParts:
     kv_memory: KVMemory
     future_tokens: FutureTokens
     runner: ModelRunner
+    lora: LoRAPool | None  # --enable-lora: the adapters and their device slots
 
 
 def build_runner(config: EngineConfig, device: torch.device, parallel: ParallelState) -> RunnerParts:
@@ -42,6 +45,9 @@ def build_runner(config: EngineConfig, device: torch.device, parallel: ParallelS
     dtype = getattr(torch, config.model.dtype)
     model = load_model(config.model.model, dtype, device, layer_kernels(config), config.model.load_format,
                        config.model.hf_config, config.model.quantization, parallel)
+    lora = None
+    if config.lora.enable_lora:
+        lora = build_lora_pool(config, model, dtype, device, layer_kernels(config).triton_elementwise)
     draft = None
     if spec.speculative_algorithm in DRAFT_MODEL_ALGORITHMS:
         draft = load_draft(config, model, dtype, device, layer_kernels(config))
@@ -71,5 +77,5 @@ def build_runner(config: EngineConfig, device: torch.device, parallel: ParallelS
                     config.cache.kv_cache_dtype, alloc.page_size)
     # Every sampled request holds a req_to_token row, so a step samples at most max_running_requests.
     future_tokens = FutureTokens(2 * sched.max_running_requests, device)
-    runner = ModelRunner(config, model, kv_memory, kv_memory.pools[0], future_tokens)
-    return RunnerParts(config, model, draft, kv_memory, future_tokens, runner)
+    runner = ModelRunner(config, model, kv_memory, kv_memory.pools[0], future_tokens, lora=lora)
+    return RunnerParts(config, model, draft, kv_memory, future_tokens, runner, lora)

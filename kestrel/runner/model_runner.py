@@ -17,6 +17,7 @@ from kestrel.core.forward_batch import DeviceInputs, ForwardBatch
 from kestrel.core.forward_mode import ForwardMode
 from kestrel.core.forward_output import ForwardOutput
 from kestrel.layers.kernels import Kernels
+from kestrel.lora.pool import LoRAPool
 from kestrel.models.base import ForwardModel
 from kestrel.runner.cuda_graph import CudaGraphRunner
 from kestrel.runner.future_tokens import FutureTokens
@@ -40,7 +41,8 @@ class ModelRunner:
     """`model` over `pools` (its share of `memory`); the attention backends of `config`'s pair."""
 
     def __init__(self, config: EngineConfig, model: ForwardModel, memory: KVMemory, pools: KVPools,
-                 future_tokens: FutureTokens, attn_backend=None) -> None:
+                 future_tokens: FutureTokens, attn_backend=None, lora: LoRAPool | None = None) -> None:
+        """`lora`: the adapter pool whose token slots each forward sets (--enable-lora)."""
         assert config.resolved, "ModelRunner needs a resolved EngineConfig"
         self.config = config
         self.device = memory.device
@@ -49,6 +51,7 @@ class ModelRunner:
         self.req_to_token = memory.req_to_token
         self.future_tokens = future_tokens
         self.vocab_size = model.config.vocab_size
+        self.lora = lora
 
         # A draft model's runner is given its backend by the draft-backend factory (kestrel.speculative).
         self.attn_backend = attn_backend if attn_backend is not None else self._target_backend(config, pools)
@@ -118,13 +121,15 @@ class ModelRunner:
         seq = [p + e for p, e in zip(prefix, extend)]
         n, b = batch.num_tokens, batch.batch_size
         rows = batch.logit_rows()
-        small = torch.tensor(batch.input_ids + batch.positions + batch.req_pool_indices + seq + prefix + extend + rows,
-                             dtype=torch.int64)
+        # Each token's adapter slot (LoRA): the request's, repeated over its new tokens.
+        lora = [s for s, e in zip(batch.lora_slots, extend) for _ in range(e)] if self.lora is not None else []
+        small = torch.tensor(batch.input_ids + batch.positions + batch.req_pool_indices + seq + prefix + extend + rows
+                             + lora, dtype=torch.int64)
         writes, moves = batch.table_writes, batch.kv_moves
         host = torch.cat([small, batch.out_cache_loc, writes.flatten(), moves.flatten()])
         dev = host.to(self.device, non_blocking=True)
-        ids, positions, pool_idx, seq_t, prefix_t, extend_t, rows_t, loc, w, m = dev.split(
-            [n, n, b, b, b, b, len(rows), n, writes.numel(), moves.numel()])
+        ids, positions, pool_idx, seq_t, prefix_t, extend_t, rows_t, lora_t, loc, w, m = dev.split(
+            [n, n, b, b, b, b, len(rows), len(lora), n, writes.numel(), moves.numel()])
         if writes.shape[1]:
             w = w.view(3, -1)
             self.req_to_token.table[w[0], w[1]] = w[2]
@@ -148,7 +153,8 @@ class ModelRunner:
             req_pool_indices=pool_idx, seq_lens=seq_t, prefix_lens=prefix_t, extend_lens=extend_t,
             seq_lens_cpu=seq, prefix_lens_cpu=list(prefix), extend_lens_cpu=list(extend), max_extend=max(extend),
             logits_indices=rows_t, attn_backend=self.attn_backend, tree_mask=tree, tree_mask_starts=tree_starts,
-            capture_hidden=batch.capture_hidden, spec_features=inputs.features)
+            capture_hidden=batch.capture_hidden, spec_features=inputs.features,
+            lora_slots=lora_t if lora else None)
 
     def forward(self, batch: ScheduledBatch, inputs: DeviceInputs | None = None) -> ForwardOutput:
         with torch.inference_mode():
@@ -167,6 +173,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, fb: ForwardBatch) -> ForwardOutput:
+        if self.lora is not None:  # before any graph replays: they read the pool's fixed slot buffer
+            self.lora.stage(fb.lora_slots, fb.input_ids.shape[0])
         graph = self.cuda_graphs.get((fb.forward_mode, fb.max_extend))
         if graph is not None and graph.can_run(fb):
             return graph.replay(fb)

@@ -198,7 +198,7 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
                     "top_k": body.top_k, "stop": body.stop_sequences, "priority": body.priority}
     disable_parallel = body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use
     chat = ChatCompletionRequest(
-        messages=_chat_messages(body), tools=tools or None, tool_choice=_tool_choice(body.tool_choice),
+        model=body.model, messages=_chat_messages(body), tools=tools or None, tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=not disable_parallel, chat_template_kwargs=_template_kwargs(body), **sampling)
     try:
         chat.check()

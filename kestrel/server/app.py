@@ -19,7 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kestrel.server import anthropic_api, native_api, openai_api, openapi, pooling_api, responses_api, tokenize_api
+from kestrel.server import (anthropic_api, lora_api, native_api, openai_api, openapi, pooling_api, responses_api,
+                            tokenize_api)
 from kestrel.server.body_limit import BodyLimitMiddleware
 from kestrel.server.errors import APIError
 from kestrel.server.metrics import CONTENT_TYPE
@@ -192,5 +193,13 @@ def build_app(state: ServerState, max_request_bytes: int, request_read_timeout: 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         return await native_api.generate(state, request)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        return await lora_api.load(state, request)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        return await lora_api.unload(state, request)
 
     return app

@@ -115,5 +115,6 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, body_byt
         turn = ChatTurn(tools, readers, reasoning is not None)
         turn.gen = Generation(state.client, state.tokenizer, *expand_choices([prompt], params, body.n), ticket,
                               prompt_param=prompt_param, grammar_param=grammar_param, api_names=api_names,
-                              on_update=turn.read if readers is not None else None)
+                              on_update=turn.read if readers is not None else None,
+                              lora_name=state.lora_of(body.model))
     return turn

@@ -31,7 +31,7 @@ from kestrel.config import EngineConfig, ServerConfig
 from kestrel.server.engine_process import engine_main
 from kestrel.server.errors import APIError
 from kestrel.server.messages import (AbortRequests, AddRequests, Admission, EngineFailed, EngineReady, EngineStats,
-                                     NewRequest, Shutdown, StepOutput, TokenDelta)
+                                     LoRACommand, LoRAReply, NewRequest, Shutdown, StepOutput, TokenDelta)
 from kestrel.server.metrics import ServerMetrics
 from kestrel.server.metrics_dialects import FinishedRequest
 
@@ -132,6 +132,9 @@ class EngineClient:
         self._send_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="kestrel-engine-sender", daemon=True)
         self._groups: dict[str, RequestGroup] = {}  # waiting for their Admission
+        # --enable-lora: the loaded adapters (name -> path) as of the engine's last LoRAReply; None: off.
+        self.lora_adapters: dict[str, str] | None = info.lora_adapters
+        self._lora_commands: dict[str, asyncio.Future[LoRAReply]] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._rid_counter = itertools.count()
         self._readable = asyncio.Event()
@@ -225,6 +228,17 @@ class EngineClient:
             raise
         return group
 
+    async def lora_command(self, name: str, path: str | None) -> None:
+        """Load (`path`) or unload (None) a LoRA adapter in the engine; raises APIError with its reason."""
+        if not self.alive:
+            raise self.dead_error()
+        command = LoRACommand(uuid.uuid4().hex, name, path)
+        reply = self._lora_commands[command.id] = asyncio.get_running_loop().create_future()
+        self._send(command)
+        result = await reply
+        if result.error is not None:
+            raise APIError(result.status, result.error, "lora_path" if path is not None else "lora_name")
+
     def abort(self, rids: list[str]) -> None:
         """Abort unfinished requests; their final deltas still arrive and still count in the metrics."""
         live = [rid for rid in rids if rid in self._tracked]
@@ -310,6 +324,11 @@ class EngineClient:
                     for rid in group.rids:
                         self._tracked.pop(rid, None)
                     group.admitted.set_exception(APIError(msg.status, msg.error, msg.param))
+        elif isinstance(msg, LoRAReply):
+            self.lora_adapters = msg.adapters
+            reply = self._lora_commands.pop(msg.id, None)
+            if reply is not None and not reply.done():
+                reply.set_result(msg)
         elif isinstance(msg, EngineFailed):  # a tensor-parallel rank died; the engine process exits now
             self._on_dead(msg.error)
         elif isinstance(msg, EngineStats):
@@ -358,6 +377,10 @@ class EngineClient:
             if not group.admitted.done():
                 group.admitted.set_exception(error)
         self._groups.clear()
+        for reply in self._lora_commands.values():
+            if not reply.done():
+                reply.set_exception(error)
+        self._lora_commands.clear()
         for group in {id(t.group): t.group for t in self._tracked.values()}.values():
             group.queue.put_nowait(error)
         self._tracked.clear()

@@ -22,7 +22,7 @@ from kestrel.core.outputs import StepInfo
 from kestrel.core.request import Request
 from kestrel.distributed.errors import RankFailedError
 from kestrel.server.messages import (AbortRequests, AddRequests, Admission, EngineFailed, EngineReady,
-                                     Shutdown, StepOutput, TokenDelta)
+                                     LoRACommand, LoRAReply, Shutdown, StepOutput, TokenDelta)
 from kestrel.server.process_exit import skip_teardown_on_exit
 
 if TYPE_CHECKING:
@@ -69,7 +69,8 @@ def _run_engine(config: EngineConfig, inbox: Connection, outbox: Connection, log
                             context_length=engine.config.model.context_length,
                             rank_pids=engine.ranks.pids if engine.ranks is not None else [],
                             page_size=engine.config.cache.page_size, kv_cache_dtype=engine.config.cache.kv_cache_dtype,
-                            prefix_caching=not engine.config.cache.disable_radix_cache))
+                            prefix_caching=not engine.config.cache.disable_radix_cache,
+                            lora_adapters=engine.lora_adapters() if engine.lora is not None else None))
     EngineLoop(engine, inbox, outbox).run()
 
 
@@ -120,6 +121,8 @@ class EngineLoop:
                     for rid in msg.rids:
                         engine.abort(rid)
                     touched += msg.rids
+                elif isinstance(msg, LoRACommand):
+                    self._lora(msg)
                 elif isinstance(msg, Shutdown):
                     return
                 else:
@@ -179,9 +182,9 @@ class EngineLoop:
         try:
             for r in msg.reqs:
                 added.append(self.engine.add_request(prompt_token_ids=r.prompt_ids, sampling_params=r.params,
-                                                     rid=r.rid))
-        except ValueError as e:
-            error, status, param = str(e), 400, getattr(e, "param", None)
+                                                     rid=r.rid, lora_name=r.lora_name))
+        except ValueError as e:  # an unknown LoRA adapter says 404
+            error, status, param = str(e), getattr(e, "status", 400), getattr(e, "param", None)
         except Exception as e:  # a bug must not take the server down for everyone
             logger.exception("add_request failed")
             error, status, param = f"internal error while adding the request: {type(e).__name__}: {e}", 500, None
@@ -195,6 +198,21 @@ class EngineLoop:
             self.engine.abort(rid)
         self.outbox.send(Admission(msg.group, error, status, param))
         return added
+
+    def _lora(self, msg: LoRACommand) -> None:
+        """Load or unload an adapter between steps; a bad adapter fails this command alone."""
+        error, status = None, 400
+        try:
+            if msg.path is None:
+                self.engine.unload_lora_adapter(msg.name)
+            else:
+                self.engine.load_lora_adapter(msg.name, msg.path)
+        except ValueError as e:
+            error, status = str(e), getattr(e, "status", 400)
+        except Exception as e:  # noqa: BLE001 - an unforeseen failure of one load must not stop serving
+            logger.exception("loading LoRA adapter %r failed", msg.name)
+            error, status = f"loading the adapter failed: {type(e).__name__}: {e}", 500
+        self.outbox.send(LoRAReply(msg.id, self.engine.lora_adapters(), error, status))
 
     def _compiling(self, rid: str) -> bool:
         req = self.engine.request(rid)

@@ -69,13 +69,15 @@ class Generation:
     def __init__(self, client: EngineClient, tokenizer, prompts: list[list[int]], params: list[SamplingParams],
                  ticket: Ticket, prompt_param: str = "prompt", grammar_param: str | None = None,
                  api_names: dict[str, str] | None = None,
-                 on_update: Callable[[ChoiceUpdate], None] | None = None) -> None:
+                 on_update: Callable[[ChoiceUpdate], None] | None = None, lora_name: str | None = None) -> None:
         """One choice per (prompt ids, params) pair, in that order. Engine rejections of the prompt
         (too long, empty, ids out of range) are reported against the field `prompt_param`, those of
         the grammar against `grammar_param` (default: the SamplingParams field, e.g. json_schema), those
         of another SamplingParams field (a penalty under speculative decoding) against its name in
         `api_names` (SamplingParams field -> request field; default: the same name). `on_update` sees
-        every update before it is yielded, streamed or not (it may `stop` a choice)."""
+        every update before it is yielded, streamed or not (it may `stop` a choice). `lora_name`: the LoRA
+        adapter every choice runs with (None: the base model)."""
+        self.lora_name = lora_name
         self.client = client
         self.ticket = ticket
         self.tokenizer = tokenizer
@@ -96,7 +98,7 @@ class Generation:
         if self.ticket.aborted.is_set():  # shutdown aborted the request while it was being tokenized
             raise shutting_down()
         self.ticket.on_abort = self._abort_unfinished  # from now on, even while the engine admits them
-        reqs = [NewRequest(c.rid, c.prompt_ids, c.params) for c in self.choices]
+        reqs = [NewRequest(c.rid, c.prompt_ids, c.params, self.lora_name) for c in self.choices]
         try:
             self._group = await self.client.submit(reqs, self.arrival)
         except APIError as e:

@@ -1,9 +1,10 @@
 """The message schema between the HTTP process and the engine process (pickled over pipes).
 
-HTTP → engine: `AddRequests`, `AbortRequests`, `Shutdown`.
+HTTP → engine: `AddRequests`, `AbortRequests`, `LoRACommand`, `Shutdown`.
 Engine → HTTP: first exactly one of `EngineReady` / `EngineFailed`; then `Admission` (one per
-`AddRequests`, always before any output of its requests), `StepOutput` (one per step that changed
-something) and `EngineStats` (when the engine goes idle, and periodically while busy).
+`AddRequests`, always before any output of its requests), `LoRAReply` (one per `LoRACommand`),
+`StepOutput` (one per step that changed something) and `EngineStats` (when the engine goes idle, and
+periodically while busy).
 
 Every request reports exactly one `TokenDelta` with `finished=True`, including aborted ones, after
 which the engine has forgotten it.
@@ -22,6 +23,7 @@ class NewRequest:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    lora_name: str | None = None  # the LoRA adapter it runs with; None: the base model
 
 
 @dataclass
@@ -35,6 +37,15 @@ class AddRequests:
 @dataclass
 class AbortRequests:
     rids: list[str]
+
+
+@dataclass
+class LoRACommand:
+    """Load (`path` given) or unload (`path` None) the LoRA adapter `name`."""
+
+    id: str
+    name: str
+    path: str | None = None
 
 
 @dataclass
@@ -55,6 +66,7 @@ class EngineReady:
     page_size: int = 1
     kv_cache_dtype: str = "auto"
     prefix_caching: bool = True
+    lora_adapters: dict[str, str] | None = None  # --enable-lora: loaded adapters, name -> path; None: off
 
 
 @dataclass
@@ -101,3 +113,13 @@ class TokenDelta:
 @dataclass
 class StepOutput:
     deltas: list[TokenDelta] = field(default_factory=list)
+
+
+@dataclass
+class LoRAReply:
+    """The outcome of a `LoRACommand`: the adapters loaded now, or the error (status 400 / 404)."""
+
+    id: str
+    adapters: dict[str, str]
+    error: str | None = None
+    status: int = 400

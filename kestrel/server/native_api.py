@@ -83,6 +83,8 @@ async def generate(state: ServerState, request: Request) -> Response:
     if body.priority is not None:  # SGLang's place for it, beside sampling_params (which may hold it too)
         params = dataclasses.replace(params, priority=body.priority)
     base = validated(params, state.client.info.vocab_size, names)
+    if body.lora_path is not None:
+        state.check_lora(body.lora_path, "lora_path")
     ticket = state.admit(len(given) * n, "sampling_params" if n > 1 else param)
     with ticket.released_on_error():
         prompts = await state.prompt_ids(ticket, given, param, body_bytes)
@@ -96,7 +98,8 @@ async def generate(state: ServerState, request: Request) -> Response:
         # Without max_new_tokens: SamplingParams' default (128, as SGLang's), cut to fit the context.
         params_list = state.params_for(base, prompts, asked, base.max_new_tokens, param, "max_new_tokens", {})
         gen = Generation(state.client, state.tokenizer, *expand_choices(prompts, params_list, n), ticket,
-                         prompt_param=param, api_names={"prompt_logprobs": "logprob_start_len"})
+                         prompt_param=param, api_names={"prompt_logprobs": "logprob_start_len"},
+                         lora_name=body.lora_path)
     many = batch or n > 1
 
     async def outputs() -> AsyncIterator[dict[str, Any]]:

@@ -110,7 +110,7 @@ async def completions(state: ServerState, request: Request) -> Response:
                                   "max_tokens", _API_NAMES)
         echoes = [(p if isinstance(p, str) else state.decode(p)) if body.echo else "" for p in texts]
         gen = Generation(state.client, state.tokenizer, *expand_choices(prompts, params, body.n), ticket,
-                         grammar_param=body.grammar_param(), api_names=_API_NAMES)
+                         grammar_param=body.grammar_param(), api_names=_API_NAMES, lora_name=state.lora_of(model))
     echo_of = [echoes[i // body.n] for i in range(len(gen.choices))]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": gen.created, "model": model}
     name = _token_name(state, body.return_tokens_as_token_ids)
@@ -237,4 +237,8 @@ def models(state: ServerState) -> dict[str, Any]:
     info = state.client.info
     return {"object": "list", "data": [{
         "id": name, "object": "model", "created": int(time.time()), "owned_by": "kestrel",
-        "root": state.model_path, "max_model_len": info.context_length} for name in state.served_model_names]}
+        "root": state.model_path, "max_model_len": info.context_length} for name in state.served_model_names]
+        # vLLM's listing: each LoRA adapter a model of its own, its parent the base model.
+        + [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "kestrel", "root": path,
+            "parent": state.served_model_name, "max_model_len": info.context_length}
+           for name, path in (state.client.lora_adapters or {}).items()]}

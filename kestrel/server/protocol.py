@@ -219,6 +219,7 @@ class GenerateRequest(_Body):
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | None = None
     stream: bool = False
+    lora_path: str | None = None  # SGLang's field: the name of a loaded LoRA adapter (None: the base model)
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # with return_logprob, >= 0: the prompt's logprobs from this position on
@@ -351,3 +352,16 @@ def expand_choices(prompts: list[list[int]], params: list[SamplingParams],
 
     return ([ids for ids in prompts for _ in range(n)],
             [choice(p, i) for p in params for i in range(n)])
+
+
+class LoadLoRARequest(_Body):
+    """vLLM's `POST /v1/load_lora_adapter`."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRARequest(_Body):
+    """vLLM's `POST /v1/unload_lora_adapter` (`lora_int_id` is vLLM's internal id: ignored)."""
+
+    lora_name: str

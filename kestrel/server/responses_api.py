@@ -168,7 +168,7 @@ def chat_request(body: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCom
     if not messages:
         raise bad_request("input is empty", "input")
     chat = ChatCompletionRequest(
-        messages=messages, tools=tools or None, tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls,
+        model=body.model, messages=messages, tools=tools or None, tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls,
         max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         response_format=_response_format(body.text), priority=body.priority,
         reasoning_effort=body.reasoning.effort if body.reasoning is not None else None,

@@ -63,11 +63,34 @@ class ServerState:
         server does not serve is a 404, as OpenAI and vLLM answer it (SDKs raise NotFoundError)."""
         if model is None:
             return self.served_model_name
+        adapters = self.client.lora_adapters or {}
+        base, _, adapter = model.partition(":")
+        if model in adapters or (base in self.served_model_names and adapter in adapters):
+            return model
         if model not in self.served_model_names:
-            served = ", ".join(repr(name) for name in self.served_model_names)
+            served = ", ".join(repr(name) for name in (*self.served_model_names, *adapters))
             raise APIError(404, f"the model {model!r} does not exist; this server serves {served} (see /v1/models)",
                            "model", "model_not_found", type="invalid_request_error")
         return model
+
+    def lora_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (the adapter's name, or `base:adapter`); None for
+        the base model. Call after `check_model`."""
+        if model is None or model in self.served_model_names:
+            return None
+        base, sep, adapter = model.partition(":")  # adapter names have no ':'
+        return adapter if sep and base in self.served_model_names else model
+
+    def check_lora(self, name: str, param: str) -> None:
+        """404 for an adapter that is not loaded, naming the loaded ones."""
+        adapters = self.client.lora_adapters
+        if adapters is None:
+            raise bad_request(f"{param} {name!r}: this server serves no LoRA adapters (start it with --enable-lora)",
+                              param)
+        if name not in adapters:
+            loaded = ", ".join(repr(n) for n in adapters) or "none"
+            raise APIError(404, f"the LoRA adapter {name!r} is not loaded; loaded adapters: {loaded}", param,
+                           "model_not_found", type="invalid_request_error")
 
     def need_tokenization(self, what: str, param: str) -> Tokenization:
         if self.tokenization is None:
