@@ -76,10 +76,13 @@ def seed_digest(seed: str) -> bytes:
     return hashlib.sha256(_cbor_head(3, len(raw)) + raw).digest()
 
 
-def page_digest(parent: bytes, token_ids: list[int]) -> bytes:
-    """SHA-256 of canonical CBOR `[parent, token_ids, None]` (token ids are non-negative integers)."""
+def page_digest(parent: bytes, token_ids: list[int], lora_id: int | None = None) -> bytes:
+    """SHA-256 of canonical CBOR `[parent, token_ids, extra]` (token ids are non-negative integers);
+    `extra` is None, or `[lora_id]` for a LoRA adapter's pages (vLLM's extra keys: an adapter's KV is
+    its own)."""
     body = b"".join(_cbor_head(0, t) for t in token_ids)
-    cbor = b"\x83" + _cbor_head(2, len(parent)) + parent + _cbor_head(4, len(token_ids)) + body + b"\xf6"
+    extra = b"\xf6" if lora_id is None else _cbor_head(4, 1) + _cbor_head(0, lora_id)
+    cbor = b"\x83" + _cbor_head(2, len(parent)) + parent + _cbor_head(4, len(token_ids)) + body + extra
     return hashlib.sha256(cbor).digest()
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kestrel.cache.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, external_hash,
                                      page_digest, seed_digest)
+from kestrel.cache.radix import NAMESPACE_SHIFT
 
 if TYPE_CHECKING:
     from kestrel.cache.radix import Node
@@ -76,12 +77,15 @@ class BlockChains:
                 _, node, parent, key = record
                 prev = self.pages[parent][-1] if parent is not None else self.root
                 parent_hash = external_hash(prev) if parent is not None else None
+                # A LoRA adapter's pages: its tokens in the adapter's namespace (radix.NAMESPACE_SHIFT).
+                lora_id = key[0] // NAMESPACE_SHIFT or None if key else None
+                tokens = [t % NAMESPACE_SHIFT for t in key] if lora_id else list(key)
                 digests = []
                 for i in range(0, len(key), ps):
-                    prev = page_digest(prev, key[i:i + ps])
+                    prev = page_digest(prev, tokens[i:i + ps], lora_id)
                     digests.append(prev)
                 self.pages[node] = digests
-                out.append(BlockStored([external_hash(d) for d in digests], parent_hash, list(key), ps))
+                out.append(BlockStored([external_hash(d) for d in digests], parent_hash, tokens, ps, lora_id=lora_id))
             elif kind == SPLIT:
                 _, upper, lower, length = record
                 digests = self.pages[lower]

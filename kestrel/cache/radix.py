@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from kestrel.cache.kv_events_log import KVEventLog
 
 
+# Keys are token ids; a namespace (a LoRA adapter's uid) lifts its tokens by uid * NAMESPACE_SHIFT, above
+# every vocabulary, so the tree never matches one namespace's KV with another's and needs no notion of them.
+NAMESPACE_SHIFT = 1 << 40
+
+
 class Node:
     """One edge of the tree: `key` token ids whose KV lives in `value` slots (same length)."""
 

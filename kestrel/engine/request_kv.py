@@ -11,23 +11,19 @@ from __future__ import annotations
 import torch
 
 from kestrel.cache.allocator import TokenToKVPoolAllocator
-from kestrel.cache.radix import RadixCache
+from kestrel.cache.radix import NAMESPACE_SHIFT, RadixCache
 from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.core.request import Request, RequestStatus
 from kestrel.engine.pooling import first_unpooled
 from kestrel.lora.pool import LoRAPool
 
-# A LoRA request's radix key: its token ids moved above every vocabulary by its adapter's uid, so the
-# tree never matches KV across adapters (or with the base model) and needs no notion of adapters.
-LORA_KEY_SHIFT = 1 << 40
-
-
 def cache_key(req: Request, end: int | None = None) -> list[int]:
-    """The radix key of `req.fill_ids[:end]`."""
+    """The radix key of `req.fill_ids[:end]`: a LoRA request's in its adapter's namespace (no KV is shared
+    across adapters, or with the base model)."""
     ids = req.fill_ids[:end]
     if req.lora is None:
         return ids
-    shift = req.lora.uid * LORA_KEY_SHIFT
+    shift = req.lora.uid * NAMESPACE_SHIFT
     return [t + shift for t in ids]
 
 

@@ -1,6 +1,8 @@
 """KV-cache events: the config, vLLM's wire bytes and the block-hash chain, without an engine."""
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from kestrel.cache.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, encode_batch, external_hash,
@@ -8,7 +10,7 @@ from kestrel.cache.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored
 from kestrel.cache.kv_events_config import KVEventsConfig, parse_kv_events_config
 from kestrel.cache.allocator import TokenToKVPoolAllocator
 from kestrel.cache.kv_events_log import BlockChains, KVEventLog
-from kestrel.cache.radix import RadixCache
+from kestrel.cache.radix import NAMESPACE_SHIFT, RadixCache
 
 pytest.importorskip("msgpack")
 
@@ -104,3 +106,22 @@ def test_chains_follow_splits_and_evictions():
     assert sorted(sum((e.block_hashes for e in removed), [])) == sorted(h + [other])
     assert cleared == [AllBlocksCleared()] and chains.pages == {}
     assert alloc.available_size() == alloc.size
+
+
+def test_a_lora_adapters_pages_carry_its_id_and_hash_apart():
+    """A LoRA request's radix key lives in its adapter's namespace: its events carry the real token ids
+    and the adapter's id, and its pages hash with the id as the extra key ([parent, tokens, [id]])."""
+    sink = _Collect()
+    log = KVEventLog(sink)
+    alloc = TokenToKVPoolAllocator(64, 2, "cpu")
+    radix = RadixCache(alloc, 2, events=log)
+    tokens = [1, 2, 3, 4]
+    radix.insert(tokens, alloc.alloc_for(0, 4, 0))
+    radix.insert([t + 3 * NAMESPACE_SHIFT for t in tokens], alloc.alloc_for(0, 4, 0))
+    log.end_step()
+    base, lora = BlockChains(2, "").events(sink.batches[0])
+    assert (lora.token_ids, lora.lora_id, base.lora_id) == (tokens, 3, None)
+    root = seed_digest("")
+    first = hashlib.sha256(b"\x83\x58\x20" + root + b"\x82\x01\x02\x81\x03").digest()  # CBOR by hand
+    assert lora.block_hashes[0] == external_hash(first) != base.block_hashes[0]
+    assert lora.parent_block_hash is None
