@@ -5,9 +5,9 @@ Ray Serve scales the replicas, routes among them and restarts one whose health c
 
     serve run kestrel.deploy.ray_serve:build model=PATH num_replicas=2 num_gpus=1 tp_size=1
 
-Every other key=value is an engine option by its flat name (page_size=16, device=cpu, ...). Ray Serve
-LLM's own OpenAI ingress is built around vLLM's engine and its configuration, so this adapter replaces
-it rather than plugging into it (docs/deployment.md).
+Every other key=value is a `kestrel serve` flag (page_size=16, device=cpu, ...). Ray Serve LLM's own
+OpenAI ingress takes its engine through Ray's internal LLMEngine protocol, configured by vLLM's options,
+so this adapter stands in its place instead (docs/deployment.md).
 """
 from __future__ import annotations
 
