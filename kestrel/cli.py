@@ -97,8 +97,17 @@ def _serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format of the model's tool calls: "
                          "llama3, qwen25, hermes or gpt-oss)")
+    config = config_from_args(args)
     try:
-        code = serve(config_from_args(args), served_model_names=args.served_model_name or ())
+        if config.parallel.dp_size > 1:
+            from kestrel.deploy.dp_launch import serve_dp
+            from kestrel.deploy.gateway import GatewayNotFound
+
+            try:
+                return serve_dp(config, served_model_names=args.served_model_name or ())
+            except GatewayNotFound as e:
+                raise ServerStartError(str(e)) from None
+        code = serve(config, served_model_names=args.served_model_name or ())
     except ServerStartError as e:
         print(f"kestrel: error: {e}", file=sys.stderr)
         return 1

@@ -187,13 +187,17 @@ class CudaGraphConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """tensor and expert parallelism over GPUs and machines (docs/parallelism.md)
+    """tensor, expert and data parallelism over GPUs and machines (docs/parallelism.md, docs/deployment.md)
 
     `kestrel.distributed.resolve.check_parallel` validates them."""
 
     tp_size: int = option(1, "tensor-parallel ranks: one process (and GPU) each, the model's heads, MLP and "
                              "vocabulary split over them", aliases=("tensor_parallel_size",))
     ep_size: int = option(1, "ranks the routed experts of a MoE model are split over: 1 or --tp-size")
+    dp_size: int = option(1, "data-parallel replicas: `kestrel serve` starts this many servers (each its own engine, "
+                             "--tp-size GPUs each, on ports --port+1..) behind the SGLang model gateway on --port, "
+                             "with its cache-aware policy (docs/deployment.md; needs kestrel[gateway])",
+                          aliases=("data_parallel_size",))
     nnodes: int = option(1, "machines the --tp-size ranks are spread over (default 1)")
     node_rank: int = option(0, "this machine's place among --nnodes; node 0 serves HTTP, the others run their "
                                "ranks only")

@@ -66,3 +66,12 @@ def set_omp_wait_policy(policy: str) -> None:
     """Set OMP_WAIT_POLICY for the OpenMP runtime this process (and its children) will load: it is read
     once, when the runtime loads (with torch), so this only works before `import torch`."""
     os.environ["OMP_WAIT_POLICY"] = policy
+
+
+def cuda_visible_devices() -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES as a list of the GPUs it names (ids or UUIDs), else None (all GPUs visible).
+    `kestrel serve --dp-size` hands each replica its share of them."""
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return None
+    return [d.strip() for d in raw.split(",") if d.strip()]

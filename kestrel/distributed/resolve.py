@@ -19,6 +19,12 @@ def check_parallel(par: ParallelConfig, hf: dict[str, Any], device: str, specula
                          f"tensor-parallel ranks; got {ep}")
     if par.cpu_threads is not None and par.cpu_threads < 1:
         raise ValueError(f"cpu_threads must be >= 1 (or unset: chosen from the usable cores), got {par.cpu_threads}")
+    if par.dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {par.dp_size}")
+    if par.dp_size > 1 and par.nnodes > 1:
+        raise ValueError("dp_size > 1 with nnodes > 1 is not supported: --dp-size starts its replicas on this machine; "
+                         "for replicas on several machines start a server on each and one gateway in front "
+                         "(docs/deployment.md)")
     if par.nnodes < 1 or tp % par.nnodes:
         raise ValueError(f"nnodes must be >= 1 and divide tp_size ({tp}), got {par.nnodes}")
     if not 0 <= par.node_rank < par.nnodes:

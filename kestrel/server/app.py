@@ -4,7 +4,8 @@ API (OpenAI's, Anthropic's under /v1/messages).
 Open to all: /health and /ping (its SageMaker-style twin), /metrics (probes and scrapers, as vLLM keeps
 them), /version and /openapi.json. With --api-key, everything else needs `Authorization: Bearer KEY` (or
 `x-api-key: KEY`, which the anthropic client sends): /v1/*, /generate, /tokenize, /detokenize and
-/server_info (which names the model path and the engine's PID).
+/server_info (which names the model path and the engine's PID), and what a gateway reads (/get_load,
+/model_info, /get_model_info: gateway_api).
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kestrel.server import (anthropic_api, lora_api, native_api, openai_api, openapi, pooling_api, responses_api,
-                            tokenize_api)
+from kestrel.server import (anthropic_api, gateway_api, lora_api, native_api, openai_api, openapi, pooling_api,
+                            responses_api, tokenize_api)
 from kestrel.server.body_limit import BodyLimitMiddleware
 from kestrel.server.errors import APIError
 from kestrel.server.metrics import CONTENT_TYPE
@@ -32,7 +33,8 @@ KESTREL_VERSION = version("kestrel")
 
 def _protected(path: str) -> bool:
     return path.startswith(("/v1/", "/v2/")) or path in ("/v1", "/generate", "/tokenize", "/detokenize", "/server_info",
-                                                         "/rerank", "/score")
+                                                         "/rerank", "/score", "/get_load", "/model_info",
+                                                         "/get_model_info")
 
 
 class APIKeyMiddleware:
@@ -138,6 +140,8 @@ def build_app(state: ServerState, max_request_bytes: int, request_read_timeout: 
             "stats": {**dataclasses.asdict(client.stats), "token_usage": client.stats.token_usage},
             "admission": {"requests": state.admission.num_requests, "engine_requests": state.admission.in_flight,
                           "capacity": state.admission.capacity, "stopping": state.admission.stopping}})
+
+    gateway_api.install(app, state)  # /v1/loads, /model_info: what a gateway reads of a replica
 
     @app.get("/v1/models")
     async def models() -> Response:
