@@ -11,7 +11,8 @@ verify's mask is not causal); on CUDA it also needs at most `FAST_MAX_REQUESTS` 
 prompts, or a MIXED batch with decodes, is one launch of the Triton kernel). On CPU the fallback is
 the same per-request SDPA loop, so every eligible batch takes the fast path. Per layer: a sliding
 window shorter than a sequence goes to the fallback too (the fused kernels here take only causal masks),
-and so does a layer with attention sinks (gpt-oss: the fused kernels have no sink logit).
+and so do a layer with attention sinks (gpt-oss: the fused kernels have no sink logit) and one whose K/V
+are a window ring (kestrel.attention.window_ring).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from kestrel.attention.torch_native import write_kv
-from kestrel.cache.kv_memory import KVPools
+from kestrel.cache.kv_memory import KVPools, window_ring
 from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.core.forward_mode import ForwardMode
@@ -88,10 +89,12 @@ class SdpaBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                 batch: ForwardBatch) -> torch.Tensor:
         window = layer.sliding_window
-        # torch's fused kernels take no sink logit: a layer with attention sinks goes to the fallback.
-        if not self._fast or layer.sinks is not None or (window is not None and max(batch.seq_lens_cpu) > window):
-            return self.fallback.forward(q, k, v, layer, batch)
         kv = self.pools.layer(layer.layer_id)
+        # torch's fused kernels take no sink logit: a layer with attention sinks goes to the fallback, and
+        # so does one whose K/V are a window ring (its fallback reads them).
+        if not self._fast or layer.sinks is not None or window_ring(kv) is not None or \
+                (window is not None and max(batch.seq_lens_cpu) > window):
+            return self.fallback.forward(q, k, v, layer, batch)
         write_kv(kv, k, v, layer, batch.out_cache_loc)
         q = q.view(-1, layer.num_heads, layer.head_dim)
         k = k.view(-1, layer.num_kv_heads, layer.head_dim)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kestrel.cache.kv_memory import KVPools, LayerKV
+from kestrel.attention.window_ring import flat, ring_slots, sub_step_tokens
+from kestrel.cache.kv_memory import KVPools, LayerKV, window_ring
 from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.core.forward_batch import ForwardBatch
+from kestrel.core.forward_mode import ForwardMode
 from kestrel.layers.attention import AttentionLayer
 from kestrel.quant.kv import from_pool, to_pool
 
@@ -26,6 +28,9 @@ class TorchNativeBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                 batch: ForwardBatch) -> torch.Tensor:
         kv = self.pools.layer(layer.layer_id)
+        ring = window_ring(kv)
+        if ring is not None:
+            return self._ring_forward(q, k, v, kv, ring, layer, batch)
         write_kv(kv, k, v, layer, batch.out_cache_loc)
         q = q.view(-1, layer.num_heads, layer.head_dim)
         if _one_call_decode(batch, layer):
@@ -67,6 +72,59 @@ class TorchNativeBackend:
         out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask,
                                              scale=layer.scaling, enable_gqa=True)  # [B, heads, 1, head_dim]
         return out.reshape(-1, layer.num_heads * layer.head_dim)
+
+
+    def _ring_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, ring: int,
+                      layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        """A window layer whose K/V are per-request rings (kestrel.attention.window_ring): a decode batch
+        in one call over each request's last `window` keys; anything else per request, in sub-steps
+        that each write their keys, then read the window."""
+        window, heads, D = layer.sliding_window, layer.num_heads, layer.head_dim
+        k_ring, v_ring = flat(kv.k), flat(kv.v)
+        k = to_pool(k.view(-1, layer.num_kv_heads, D), kv.k.dtype, kv.k_scale)
+        v = to_pool(v.view(-1, layer.num_kv_heads, D), kv.v.dtype, kv.v_scale)
+        q = q.view(-1, heads, D)
+        rows = batch.req_pool_indices
+        if batch.tree_mask is None and (batch.forward_mode is ForwardMode.DECODE or
+                                        all(n == 1 for n in batch.extend_lens_cpu)):
+            new = ring_slots(rows, batch.seq_lens - 1, ring)
+            k_ring[new], v_ring[new] = k, v
+            pos = batch.seq_lens[:, None] - window + torch.arange(window, device=q.device)[None, :]  # [B, W]
+            slots = ring_slots(rows[:, None], pos.clamp(min=0), ring)
+            keys = from_pool(k_ring[slots], q.dtype, kv.k_scale).transpose(1, 2)  # [B, kv_heads, W, D]
+            values = from_pool(v_ring[slots], q.dtype, kv.v_scale).transpose(1, 2)
+            mask = (pos >= 0)[:, None, None, :]
+            if layer.sinks is not None:
+                keys, values, mask = with_sinks(keys, values, mask, layer.sinks, 1)
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=layer.scaling,
+                                                 enable_gqa=True)
+            return out.reshape(-1, heads * D)
+        out = torch.empty_like(q)
+        group = heads // layer.num_kv_heads
+        step = sub_step_tokens(ring, window)
+        start = 0
+        for i, (prefix, extend) in enumerate(zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)):
+            row = rows[i]
+            for offset in range(0, extend, step):
+                n, first = min(step, extend - offset), prefix + offset
+                new = ring_slots(row, torch.arange(first, first + n, device=q.device), ring)
+                k_ring[new], v_ring[new] = k[start + offset:start + offset + n], v[start + offset:start + offset + n]
+                key_pos = torch.arange(max(0, first - window + 1), first + n, device=q.device)
+                slots = ring_slots(row, key_pos, ring)
+                q_pos = torch.arange(first, first + n, device=q.device)[:, None]
+                mask = (key_pos[None, :] <= q_pos) & (q_pos - key_pos[None, :] < window)
+                if batch.tree_mask is not None:  # a verify (n == extend): the tree among the new tokens
+                    tree = batch.tree_mask[batch.tree_mask_starts[i]:][:n * n].view(n, n)
+                    mask = torch.cat([mask[:, :key_pos.numel() - n], tree], dim=1)
+                qi = q[start + offset:start + offset + n].transpose(0, 1).unsqueeze(0)
+                ki = from_pool(k_ring[slots], q.dtype, kv.k_scale).transpose(0, 1).repeat_interleave(group, 0)[None]
+                vi = from_pool(v_ring[slots], q.dtype, kv.v_scale).transpose(0, 1).repeat_interleave(group, 0)[None]
+                if layer.sinks is not None:
+                    ki, vi, mask = with_sinks(ki, vi, mask, layer.sinks, n)
+                out[start + offset:start + offset + n] = F.scaled_dot_product_attention(
+                    qi, ki, vi, attn_mask=mask, scale=layer.scaling)[0].transpose(0, 1)
+            start += extend
+        return out.view(-1, heads * D)
 
 
 def with_sinks(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor,

@@ -7,7 +7,8 @@ from kestrel.attention.triton.decode import (LengthAwareSplit, SplitPlan, decode
                                              uniform_splits)
 from kestrel.attention.triton.extend import extend_attention
 from kestrel.attention.triton.store import store_kv
-from kestrel.cache.kv_memory import KVPools
+from kestrel.attention.window_ring import flat, ring_slots, sub_step_tokens, sub_steps
+from kestrel.cache.kv_memory import KVPools, window_ring
 from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.core.forward_mode import ForwardMode
@@ -20,7 +21,9 @@ SPLIT_MAX_EXTEND = 16  # new tokens per request up to which the extend kernel sp
 class TritonBackend:
     """DECODE batches go to the split-K decode kernel; every other mode (verify trees included) to the
     extend kernel. `decode_split`: None splits every request of a decode batch alike (the uniform rule
-    below); a LengthAwareSplit cuts each request by its own length (kestrel.attention.triton.decode)."""
+    below); a LengthAwareSplit cuts each request by its own length (kestrel.attention.triton.decode).
+    A window layer whose K/V are rings (kestrel.attention.window_ring) is read through the ring formula;
+    an extend longer than its ring allows runs as sub-steps (eagerly: they need the host lengths)."""
 
     def __init__(self, pools: KVPools, req_to_token: ReqToTokenPool, upcast: bool, name: str = "triton",
                  decode_split: LengthAwareSplit | None = None) -> None:
@@ -32,6 +35,9 @@ class TritonBackend:
         self._q_starts: torch.Tensor | None = None
         self._num_splits = 1
         self._split_plan: SplitPlan | None = None
+        self._token_rows: torch.Tensor | None = None  # an extend's tokens: their request's row
+        self._token_index: torch.Tensor | None = None  # and their index in it (prefix + offset)
+        self._sub_steps: dict[int, list] = {}  # sub-step size -> the sub-steps' device tensors
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.forward_mode is ForwardMode.DECODE:
@@ -47,20 +53,34 @@ class TritonBackend:
                 self._split_plan = length_aware_plan(batch.seq_lens, kv_heads, self.decode_split)
         else:
             self._q_starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
+            # Device ops with a static output size: a captured verify or draft extend recomputes them.
+            tokens = batch.out_cache_loc.shape[0]
+            req = torch.repeat_interleave(torch.arange(batch.batch_size, device=batch.extend_lens.device),
+                                          batch.extend_lens, output_size=tokens)
+            self._token_rows = batch.req_pool_indices[req]
+            self._token_index = batch.prefix_lens[req] + torch.arange(tokens, device=req.device) - self._q_starts[req]
+            self._sub_steps = {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                 batch: ForwardBatch) -> torch.Tensor:
         kv = self.pools.layer(layer.layer_id)
+        ring = window_ring(kv)
+        k_buf, v_buf = (kv.k, kv.v) if ring is None else (flat(kv.k), flat(kv.v))
         q = q.reshape(-1, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
         table = self.req_to_token.table
         if batch.forward_mode is ForwardMode.DECODE:  # the decode kernel stores the new K/V itself
-            decode_attention(q, k, v, kv.k, kv.v, out, table, batch.req_pool_indices, batch.seq_lens,
-                             batch.out_cache_loc, layer.scaling, layer.sliding_window, self.upcast,
+            new_slots = batch.out_cache_loc if ring is None else \
+                ring_slots(batch.req_pool_indices, batch.seq_lens - 1, ring)
+            decode_attention(q, k, v, k_buf, v_buf, out, table, batch.req_pool_indices, batch.seq_lens,
+                             new_slots, layer.scaling, layer.sliding_window, self.upcast,
                              self._num_splits, kv.k_scale, kv.v_scale, split_plan=self._split_plan,
-                             sinks=layer.sinks)
+                             sinks=layer.sinks, ring=ring or 0)
+        elif ring is not None and batch.max_extend > sub_step_tokens(ring, layer.sliding_window):
+            self._ring_sub_steps(q, k, v, k_buf, v_buf, out, kv, ring, layer, batch)
         else:
-            store_kv(k, v, kv.k, kv.v, batch.out_cache_loc, kv.k_scale, kv.v_scale)
+            slots = batch.out_cache_loc if ring is None else ring_slots(self._token_rows, self._token_index, ring)
+            store_kv(k, v, k_buf, v_buf, slots, kv.k_scale, kv.v_scale)
             tree = batch.tree_mask.view(torch.uint8) if batch.tree_mask is not None else None
             # A few new tokens per request (verify, draft extend, a decode-sized chunk): split the keys so
             # that about 256 programs run; like decode's split, from the batch's shape alone. The CPU
@@ -68,8 +88,30 @@ class TritonBackend:
             few = batch.max_extend <= SPLIT_MAX_EXTEND
             most = 2 if self.upcast else 16
             num_splits = max(1, min(most, 256 // (batch.batch_size * layer.num_heads))) if few else 1
-            extend_attention(q, kv.k, kv.v, out, table, batch.req_pool_indices, batch.prefix_lens,
+            extend_attention(q, k_buf, v_buf, out, table, batch.req_pool_indices, batch.prefix_lens,
                              batch.extend_lens, self._q_starts, batch.max_extend, layer.scaling,
                              layer.sliding_window, self.upcast, tree, batch.tree_mask_starts, kv.k_scale, kv.v_scale,
-                             block_m=16 if few else 64, num_splits=num_splits, sinks=layer.sinks)
+                             block_m=16 if few else 64, num_splits=num_splits, sinks=layer.sinks, ring=ring or 0)
         return out.view(-1, layer.num_heads * layer.head_dim)
+
+    def _ring_sub_steps(self, q, k, v, k_buf, v_buf, out, kv, ring: int, layer: AttentionLayer,
+                        batch: ForwardBatch) -> None:
+        """An extend (no tree: a verify fits its ring) over window rings, sub-step by sub-step: each
+        stores its tokens' K/V, then its queries attend (kestrel.attention.window_ring)."""
+        size = sub_step_tokens(ring, layer.sliding_window)
+        if size not in self._sub_steps:
+            dev = batch.extend_lens.device
+            starts = [sum(batch.extend_lens_cpu[:i]) for i in range(len(batch.extend_lens_cpu))]
+            parts = []
+            for prefix, extend, offset in sub_steps(batch.prefix_lens_cpu, batch.extend_lens_cpu, size):
+                tokens = torch.tensor([s + offset + j for s, e in zip(starts, extend) for j in range(e)], device=dev)
+                parts.append((tokens, torch.tensor(prefix, device=dev), torch.tensor(extend, device=dev),
+                              self._q_starts + offset, max(extend)))
+            self._sub_steps[size] = parts
+        for tokens, prefix, extend, q_starts, longest in self._sub_steps[size]:
+            store_kv(k[tokens], v[tokens], k_buf, v_buf, ring_slots(self._token_rows[tokens],
+                                                                 self._token_index[tokens], ring),
+                     kv.k_scale, kv.v_scale)
+            extend_attention(q, k_buf, v_buf, out, self.req_to_token.table, batch.req_pool_indices, prefix,
+                             extend, q_starts, longest, layer.scaling, layer.sliding_window, self.upcast,
+                             k_scale=kv.k_scale, v_scale=kv.v_scale, sinks=layer.sinks, ring=ring)

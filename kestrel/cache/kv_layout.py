@@ -8,6 +8,10 @@ Each group is indexed one of three ways:
   positions have consecutive slots (a compressed KV block, an indexer key);
 - REQUEST: per `req_to_token` row, for state that does not grow with the sequence (a sliding-window
   ring, a compressor's partial block).
+
+A REQUEST group whose buffers are `k` and `v` of shape (ring, kv_heads, head_dim) is a sliding-window
+ring (`KVLayout.windowed_attention`): the per-head-KV backends (torch_native, Triton) keep the key at
+a request's position p in row p mod ring, and read it as long as it is inside the window.
 """
 from __future__ import annotations
 
@@ -23,6 +27,20 @@ if TYPE_CHECKING:
 
 
 LATENT_GROUP = "latent"  # the group of a `KVLayout.latent_attention`
+
+
+WINDOW_RING_NO_PREFIX_CACHE = (
+    "the sliding-window layers keep a per-request ring of their last keys, not every token's KV, so a "
+    "cached prefix would lack the window's keys at its end (docs/design/window-rings.md)")
+
+
+def window_ring_length(window: int, step_tokens: int = 1) -> int:
+    """Entries of a window ring. A step writes its new tokens' keys before its queries read, so a ring
+    of `window + s - 1` entries serves `s` new tokens per request at once; longer extends (prefill
+    chunks) run in sub-steps of s tokens. s is at least the window (a sub-step per window of a prompt)
+    and at least `step_tokens` (a speculative verify writes all its tokens before acceptance: a rejected
+    token's key then overwrites only a position no later query reads)."""
+    return window + max(window, step_tokens) - 1
 
 
 class Indexing(enum.Enum):
@@ -113,6 +131,24 @@ class KVLayout:
         entry = (kv_lora_rank + rope_dim,)
         return cls((KVGroup(LATENT_GROUP, tuple(range(num_layers)), Indexing.TOKEN,
                             (KVBuffer("latent", entry, dtype),)),))
+
+    @classmethod
+    def windowed_attention(cls, windows: tuple[int | None, ...], num_kv_heads: int, head_dim: int,
+                           dtype: torch.dtype, step_tokens: int = 1) -> "KVLayout":
+        """Per-head K and V where layer i attends over `windows[i]` positions (None: all of them): full
+        layers per token (TOKEN), each window size's layers as per-request rings (REQUEST) of
+        `window_ring_length(window, step_tokens)` entries, so a window layer costs no bytes per token.
+        A ring keeps no KV of a reusable prefix boundary, so radix reuse is off with rings."""
+        entry = (num_kv_heads, head_dim)
+        full = tuple(i for i, w in enumerate(windows) if w is None)
+        groups = [KVGroup("full", full, Indexing.TOKEN, (KVBuffer("k", entry, dtype), KVBuffer("v", entry, dtype)))] \
+            if full else []
+        for window in sorted({w for w in windows if w is not None}):
+            ring = (window_ring_length(window, step_tokens), *entry)
+            groups.append(KVGroup(f"window{window}", tuple(i for i, w in enumerate(windows) if w == window),
+                                  Indexing.REQUEST, (KVBuffer("k", ring, dtype), KVBuffer("v", ring, dtype))))
+        rings = any(w is not None for w in windows)
+        return cls(tuple(groups), prefix_cache_unsupported=WINDOW_RING_NO_PREFIX_CACHE if rings else None)
 
     @property
     def latent(self) -> bool:

@@ -20,8 +20,15 @@ from kestrel.config import CacheConfig
 
 class LayerKV(SimpleNamespace):
     """One layer's KV tensors by buffer name (`layer.k`, `layer.v` for full attention), and each
-    buffer's scale as `<name>_scale` (`layer.k_scale`: a float, what an FP8 entry is multiplied by) and
-    its codec as `<name>_codec` (None, or how its packed uint8 rows map to values)."""
+    buffer's scale as `<name>_scale` (`layer.k_scale`: a float, what an FP8 entry is multiplied by), its
+    codec as `<name>_codec` (None, or how its packed uint8 rows map to values) and its group's indexing
+    as `<name>_indexing` (a REQUEST `k` is a sliding-window ring: `window_ring`)."""
+
+
+def window_ring(kv: LayerKV) -> int | None:
+    """The ring length of a layer whose K/V are per-request rings ([rows, ring, kv_heads, head_dim],
+    position p at p mod ring; kestrel.cache.kv_layout), None for per-slot K/V."""
+    return kv.k.shape[1] if kv.k_indexing is Indexing.REQUEST else None
 
 
 class KVPools:
@@ -41,6 +48,7 @@ class KVPools:
                     setattr(kv, buf.name, torch.zeros((entries, *buf.shape), dtype=buf.dtype, device=device))
                     setattr(kv, f"{buf.name}_scale", buf.scale)
                     setattr(kv, f"{buf.name}_codec", buf.codec)
+                    setattr(kv, f"{buf.name}_indexing", group.indexing)
 
     def layer(self, layer_id: int) -> LayerKV:
         return self._layers[layer_id]

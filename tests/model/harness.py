@@ -13,11 +13,12 @@ from kestrel.core.forward_mode import ForwardMode
 
 
 class Harness:
-    def __init__(self, model: torch.nn.Module, num_requests: int, max_len: int = 128) -> None:
+    def __init__(self, model: torch.nn.Module, num_requests: int, max_len: int = 128,
+                 layout: KVLayout | None = None) -> None:
         cfg = model.config
         self.model = model
-        layout = KVLayout.full_attention(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                         next(model.parameters()).dtype)
+        layout = layout or KVLayout.full_attention(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                                   next(model.parameters()).dtype)
         self.pools = KVPools(layout, 512, num_requests + 2, "cpu")
         self.req_to_token = ReqToTokenPool(num_requests + 1, max_len, "cpu")
         self.rows = [self.req_to_token.alloc() for _ in range(num_requests)]

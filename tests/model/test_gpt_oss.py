@@ -39,7 +39,7 @@ def test_prefill_and_decode_across_window_boundaries_match_transformers(tiny: Pa
     every position's logits equal transformers' on the whole sequence."""
     model = load_model(tiny, torch.float32, "cpu")
     prompts = _prompts(model.config.vocab_size)
-    harness = Harness(model, len(prompts))
+    harness = Harness(model, len(prompts), layout=model.kv_layout(torch.float32))
     got = [[logits] for logits in harness.step(prompts)]
     sequences = [list(p) for p in prompts]
     for _ in range(3 * WINDOW):  # greedy decode, batched
@@ -58,11 +58,11 @@ def test_prefill_and_decode_across_window_boundaries_match_transformers(tiny: Pa
 def test_batched_equals_one_at_a_time_and_chunked_equals_whole(tiny: Path) -> None:
     model = load_model(tiny, torch.float32, "cpu")
     prompts = _prompts(model.config.vocab_size, seed=2)
-    batched = Harness(model, len(prompts)).step(prompts)
+    batched = Harness(model, len(prompts), layout=model.kv_layout(torch.float32)).step(prompts)
     for prompt, logits in zip(prompts, batched):
-        alone = Harness(model, 1).step([prompt])[0]
+        alone = Harness(model, 1, layout=model.kv_layout(torch.float32)).step([prompt])[0]
         torch.testing.assert_close(logits, alone, atol=1e-5, rtol=1e-5)
-        chunked = Harness(model, 1)
+        chunked = Harness(model, 1, layout=model.kv_layout(torch.float32))
         parts = [chunked.step([prompt[i:i + 4]])[0] for i in range(0, len(prompt), 4)]
         torch.testing.assert_close(torch.cat(parts), alone, atol=1e-5, rtol=1e-5)
 
@@ -74,7 +74,8 @@ def test_mxfp4_checkpoint_matches_its_dequantised_reference(tiny: Path, tmp_path
     for a, b in zip(quantized.state_dict().values(), reference.state_dict().values()):
         assert torch.equal(a, b)
     prompt = _prompts(quantized.config.vocab_size)[2]
-    torch.testing.assert_close(Harness(quantized, 1).step([prompt])[0], _hf_logits(folders / "reference", prompt),
+    harness = Harness(quantized, 1, layout=quantized.kv_layout(torch.float32))
+    torch.testing.assert_close(harness.step([prompt])[0], _hf_logits(folders / "reference", prompt),
                                atol=2e-4, rtol=2e-4)
 
 

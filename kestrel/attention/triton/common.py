@@ -8,14 +8,20 @@ from kestrel.envs import triton_jit
 
 @triton_jit
 def attend_block(q, K, V, req_to_token, row, stride_row, kv_head, stride_kt, stride_kh, stride_vt, stride_vh,
-                 offs_n, n_mask, visible, offs_d, d_mask, m_i, l_i, acc, sm_scale, PRECISION: tl.constexpr):
+                 offs_n, n_mask, visible, offs_d, d_mask, m_i, l_i, acc, sm_scale, PRECISION: tl.constexpr,
+                 RING: tl.constexpr):
     """Load the K/V of key positions `offs_n` through the request's req_to_token `row` and fold them into
     the running (max m_i, sum l_i, weighted values acc) of an online softmax; `visible` masks scores.
+    `RING` > 0: K/V are sliding-window rings of that length (kestrel.attention.window_ring), position p
+    of the request at slot row * RING + p % RING, and the table is not read.
 
     K/V are converted to q's dtype in registers: float32 where the caller upcast q (the interpreter),
     and an FP8 pool's entries to the model dtype (exact). Their scales are the callers': the K scale is
     folded into `sm_scale`, the V scale multiplies the final output."""
-    slots = tl.load(req_to_token + row * stride_row + offs_n, mask=n_mask, other=0)
+    if RING:
+        slots = row * RING + offs_n % RING
+    else:
+        slots = tl.load(req_to_token + row * stride_row + offs_n, mask=n_mask, other=0)
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(K + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)

@@ -38,7 +38,7 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     DIRECT: tl.constexpr, PER_REQUEST_CHUNK: tl.constexpr, FP8_MAX: tl.constexpr, EXACT_ROUND: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, RING: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -85,7 +85,7 @@ def _decode_partial_kernel(
         n_mask = offs_n < hi
         m_i, l_i, acc = attend_block(q, K, V, req_to_token, row, stride_row, kv_head, stride_kt, stride_kh,
                                      stride_vt, stride_vh, offs_n, n_mask, n_mask[None, :], offs_d, d_mask, m_i, l_i,
-                                     acc, sm_scale * k_scale, PRECISION)
+                                     acc, sm_scale * k_scale, PRECISION, RING)
     if HAS_SINKS and DIRECT:  # with several splits the merge adds the sink once, to the whole
         out = acc / sink_denominator(l_i, m_i, tl.load(Sinks + heads, mask=h_mask, other=0.0))[:, None] * v_scale
     else:
@@ -182,7 +182,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
                      seq_lens: torch.Tensor, new_slots: torch.Tensor, sm_scale: float, sliding_window: int | None,
                      upcast: bool, num_splits: int, k_scale: float = 1.0, v_scale: float = 1.0, block_n: int = 64,
                      num_warps: int = 4, num_stages: int = 3, split_plan: SplitPlan | None = None,
-                     sinks: torch.Tensor | None = None) -> None:
+                     sinks: torch.Tensor | None = None, ring: int = 0) -> None:
     """q/out: [B, num_heads, head_dim] (one token per request); k/v: [B, num_kv_heads * head_dim], the new
     tokens' K/V (rows may be strided views), stored at `new_slots` [B] (their req_to_token entries at
     position seq_len - 1); k_buf/v_buf: [slots, num_kv_heads, head_dim], FP8 buffers storing value / scale
@@ -191,7 +191,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
     Without `split_plan` every request is cut into `num_splits` equal chunks (uniform policy); with one
     (length-aware policy, `length_aware_plan`) each request is cut as the plan says and `num_splits` is
     ignored for the plan's `max_splits`. One split per request writes the output directly, no merge.
-    `sinks`: float32 [num_heads] attention-sink logits (None: no sink)."""
+    `sinks`: float32 [num_heads] attention-sink logits (None: no sink). `ring` > 0: k_buf/v_buf are
+    sliding-window rings of that length, flattened to [rows * ring, ...] (kestrel.attention.window_ring),
+    read without `req_to_token`; `new_slots` are then ring slots."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
@@ -214,7 +216,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
         BLOCK_N=block_n, USE_WINDOW=sliding_window is not None, UPCAST=upcast,
         # float32 stays float32 (TF32 would drift from the reference); half types use tensor cores.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct, PER_REQUEST_CHUNK=per_request,
-        **fp8_store_args(k_buf.dtype), HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages,
+        **fp8_store_args(k_buf.dtype), HAS_SINKS=sinks is not None, RING=ring, num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
         merge_splits(mid_o, mid_lse, out, num_splits, counts if per_request else None, sinks)

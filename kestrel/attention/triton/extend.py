@@ -28,7 +28,7 @@ def _extend_kernel(
     stride_row, stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, sm_scale, v_scale, window, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    TREE: tl.constexpr, SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr,
+    TREE: tl.constexpr, SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr, RING: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -81,7 +81,7 @@ def _extend_kernel(
                 visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
             m_i, l_i, acc = attend_block(q, K, V, req_to_token, row, stride_row, kv_head, stride_kt, stride_kh,
                                          stride_vt, stride_vh, offs_n, n_mask, visible, offs_d, d_mask, m_i, l_i,
-                                         acc, sm_scale, PRECISION)
+                                         acc, sm_scale, PRECISION, RING)
         if HAS_SINKS and not SPLIT:  # split shares get the sink once, in the merge
             out = acc / sink_denominator(l_i, m_i, tl.load(Sinks + h))[:, None] * v_scale
         else:
@@ -102,12 +102,14 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      sliding_window: int | None, upcast: bool, tree_mask: torch.Tensor | None = None,
                      tree_starts: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                      block_m: int = 64, block_n: int = 64, num_splits: int = 1,
-                     sinks: torch.Tensor | None = None) -> None:
+                     sinks: torch.Tensor | None = None, ring: int = 0) -> None:
     """q/out: [T, num_heads, head_dim]; k_buf/v_buf: [slots, num_kv_heads, head_dim] (FP8 buffers store
     value / scale, dequantized in registers); lens per request; `tree_mask` / `tree_starts` as in
     ForwardBatch (None: causal among the new tokens). `num_splits` > 1 splits each block's keys across
     that many programs (for few new tokens over a long prefix); it must not depend on lengths where a
-    CUDA graph captures the call. `sinks`: float32 [num_heads] attention-sink logits (None: no sink)."""
+    CUDA graph captures the call. `sinks`: float32 [num_heads] attention-sink logits (None: no sink).
+    `ring` > 0: k_buf/v_buf are sliding-window rings of that length, flattened to [rows * ring, ...]
+    (kestrel.attention.window_ring), read without `req_to_token`."""
     tree = tree_mask is not None
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k_buf.shape[1]
@@ -127,7 +129,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         BLOCK_M=block_m, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None, UPCAST=upcast,
         # float32 stays float32 (TF32 would drift from the reference); half types use tensor cores.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TREE=tree, SPLIT=split,
-        HAS_SINKS=sinks is not None,
+        HAS_SINKS=sinks is not None, RING=ring,
     )
     if split:
         merge_splits(mid_o, mid_lse, out, num_splits, sinks=sinks)

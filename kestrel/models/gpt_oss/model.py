@@ -114,11 +114,12 @@ class GptOssForCausalLM(CausalLM):
         return self.model.embed_tokens
 
     def kv_layout(self, dtype: torch.dtype, speculative_tokens: int = 1) -> KVLayout:
-        """Full K/V per token for every layer: a window layer's keys past its window are masked, not
-        dropped (radix prefix reuse and chunked prefill then stay exact)."""
+        """Full layers' K/V per token, window layers' in a per-request ring of about two windows
+        (docs/design/window-rings.md): about half the bytes per token of full K/V everywhere (the 20b: 12
+        of its 24 layers are window layers), at the price of radix prefix reuse."""
         cfg = self.config
         _, kv_heads, _ = attention_heads(cfg.num_attention_heads, cfg.num_key_value_heads, self.parallel)
-        return KVLayout.full_attention(cfg.num_hidden_layers, kv_heads, cfg.head_dim, dtype)
+        return KVLayout.windowed_attention(cfg.sliding_windows, kv_heads, cfg.head_dim, dtype, speculative_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return lm_logits(hidden, self.model.embed_tokens, self.lm_head, self.config.vocab_size, self.parallel)
