@@ -155,6 +155,11 @@ class KVLayout:
         """Whether this layout holds MLA latents (`latent_attention`): only an MLA backend reads it."""
         return any(g.name == LATENT_GROUP for g in self.groups)
 
+    def per_request_groups(self) -> list[str]:
+        """The REQUEST groups in words, for the start-up log: name, layers and entries per request."""
+        return [f"{g.name}: {len(g.layer_ids)} layers x {g.buffers[0].shape[0]} entries per request"
+                for g in self.groups if g.indexing is Indexing.REQUEST]
+
     @property
     def page_multiple(self) -> int:
         """Page sizes must be multiples of this (the BLOCK ratios)."""

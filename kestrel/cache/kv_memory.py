@@ -84,6 +84,7 @@ class KVMemory:
         self.pools = [KVPools(layout, num_slots + (draft_scratch if i else 0), max_requests + 1, self.device)
                       for i, layout in enumerate(layouts)]
         self.bytes_per_token = sum(layout.bytes_per_token for layout in layouts)
+        self.bytes_per_request = sum(layout.bytes_per_request for layout in layouts)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the KV of slots `src` to slots `dst` (device tensors) in every pool (a KV rollback)."""

@@ -72,9 +72,12 @@ def build_runner(config: EngineConfig, device: torch.device, parallel: ParallelS
                          draft_scratch=DraftWorker.scratch_slots(config) if draft is not None else 0)
     alloc = kv_memory.allocator
     if parallel.is_driver:
-        logger.info("KV pool: %d tokens (%.2f GiB%s, %s), page size %d", alloc.size,
-                    alloc.size * kv_memory.bytes_per_token / 2**30, " per rank" if parallel.tp_size > 1 else "",
-                    config.cache.kv_cache_dtype, alloc.page_size)
+        # Per-request state (window rings) is fixed per running request, apart from the tokens' bytes.
+        logger.info("KV pool: %d tokens (%.2f GiB%s, %s), page size %d; %d B per token, %.2f MiB per request%s",
+                    alloc.size, alloc.size * kv_memory.bytes_per_token / 2**30,
+                    " per rank" if parallel.tp_size > 1 else "", config.cache.kv_cache_dtype, alloc.page_size,
+                    kv_memory.bytes_per_token, kv_memory.bytes_per_request / 2**20,
+                    f" ({', '.join(layouts[0].per_request_groups())})" if kv_memory.bytes_per_request else "")
     # Every sampled request holds a req_to_token row, so a step samples at most max_running_requests.
     future_tokens = FutureTokens(2 * sched.max_running_requests, device)
     runner = ModelRunner(config, model, kv_memory, kv_memory.pools[0], future_tokens, lora=lora)

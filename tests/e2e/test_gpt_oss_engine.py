@@ -92,3 +92,40 @@ def test_real_configs_resolve_for_dummy_loading(name, layers, experts):
     resolved = resolve_config(EngineConfig.from_flat(model=str(folder), device="cpu", load_format="dummy",
                                                        max_total_tokens=256))
     assert resolved.model.quantization is None
+
+
+def test_window_layers_are_rings_in_the_layout_and_the_pool(monkeypatch):
+    """gpt-oss-20b's layout: its 12 window layers hold per-request rings, so a token costs the 12 full
+    layers' K/V only (half of full K/V everywhere), and the same free memory holds about twice the tokens."""
+    from kestrel.cache.kv_layout import KVLayout, window_ring_length
+    from kestrel.cache.kv_memory import pool_size
+    from kestrel.config import CacheConfig
+
+    cfg = parse_gpt_oss_config(read_hf_config(str(CONFIGS / "gpt-oss-20b")))
+    kv_heads, head_dim, bf16 = cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16
+    rings = KVLayout.windowed_attention(cfg.sliding_windows, kv_heads, head_dim, bf16, step_tokens=4)
+    full = KVLayout.full_attention(cfg.num_hidden_layers, kv_heads, head_dim, bf16)
+    entry = 2 * kv_heads * head_dim * 2  # K and V in bf16
+    assert full.bytes_per_token == 24 * entry and rings.bytes_per_token == 12 * entry
+    assert window_ring_length(128, 4) == 255 and rings.bytes_per_request == 12 * 255 * entry
+    assert rings.prefix_cache_unsupported and full.prefix_cache_unsupported is None
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * 2**30, 80 * 2**30))
+    cache = CacheConfig(mem_fraction_static=0.9, page_size=16)
+    grown = pool_size(cache, [rings], 64, torch.device("cuda")) / pool_size(cache, [full], 64, torch.device("cuda"))
+    assert 1.95 < grown < 2.0  # twice the tokens, less the 65 rows of rings
+
+
+def test_startup_log_and_retraction_with_rings(tiny, prompts_and_expected, caplog):
+    """The start-up log counts the rings per request; a pool too small for all requests retracts some,
+    and their re-prefill (chunked across the window) rebuilds the rings: the tokens stay transformers'."""
+    prompts, expected = prompts_and_expected
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    with caplog.at_level("INFO", logger="kestrel.runner.build"):
+        with Engine(model=str(tiny), device="cpu", dtype="float32", attention_backend="torch_native",
+                    chunked_prefill_size=4, page_size=1, max_total_tokens=40, schedule_conservativeness=0) as engine:
+            outs = engine.generate(prompt_token_ids=prompts * 2, sampling_params=params)
+            assert engine.scheduler.num_retractions > 0
+            assert_pool_full(engine)
+    assert [o.token_ids for o in outs] == expected * 2
+    pool_line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV pool"))
+    assert "per token" in pool_line and f"window{WINDOW}: 2 layers x {2 * WINDOW - 1} entries per request" in pool_line
