@@ -31,7 +31,7 @@ LATENT_GROUP = "latent"  # the group of a `KVLayout.latent_attention`
 
 WINDOW_RING_NO_PREFIX_CACHE = (
     "the sliding-window layers keep a per-request ring of their last keys, not every token's KV, so a "
-    "cached prefix would lack the window's keys at its end (docs/design/window-rings.md)")
+    "cached prefix would lack the window's keys at its end (docs/design/window-rings.md §4)")
 
 
 def window_ring_length(window: int, step_tokens: int = 1) -> int:

@@ -9,6 +9,7 @@ import torch
 from kestrel.attention import sdpa
 from kestrel.attention.sdpa import SdpaBackend, takes_fast_path
 from kestrel.attention.torch_native import TorchNativeBackend
+from kestrel.cache.kv_layout import Indexing
 from kestrel.cache.kv_memory import LayerKV
 from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.core.forward_batch import ForwardBatch
@@ -22,7 +23,7 @@ class Pools:
     """One layer's K/V buffers, as KVPools.layer() hands them out."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kv = LayerKV(k=k, k_scale=1.0, v=v, v_scale=1.0)
+        self.kv = LayerKV(k=k, k_scale=1.0, k_indexing=Indexing.TOKEN, v=v, v_scale=1.0)
 
     def clone(self) -> "Pools":
         return Pools(self.kv.k.clone(), self.kv.v.clone())

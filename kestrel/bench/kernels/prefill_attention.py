@@ -34,6 +34,7 @@ from kestrel.attention import sdpa as sdpa_module
 from kestrel.attention.sdpa import SdpaBackend
 from kestrel.attention.torch_native import TorchNativeBackend
 from kestrel.bench.common import require_interpreter, timed_ms
+from kestrel.cache.kv_layout import Indexing
 from kestrel.cache.kv_memory import LayerKV
 from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.core.forward_batch import ForwardBatch
@@ -63,7 +64,7 @@ class Pools:
     """One layer's paged K/V, as KVPools.layer() hands it to a backend."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kv = LayerKV(k=k, v=v, k_scale=1.0, v_scale=1.0)
+        self.kv = LayerKV(k=k, v=v, k_scale=1.0, v_scale=1.0, k_indexing=Indexing.TOKEN)
 
     def layer(self, layer_id: int) -> LayerKV:
         return self.kv

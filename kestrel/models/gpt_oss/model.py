@@ -115,7 +115,7 @@ class GptOssForCausalLM(CausalLM):
 
     def kv_layout(self, dtype: torch.dtype, speculative_tokens: int = 1) -> KVLayout:
         """Full layers' K/V per token, window layers' in a per-request ring of about two windows
-        (docs/design/window-rings.md): about half the bytes per token of full K/V everywhere (the 20b: 12
+        (docs/design/window-rings.md §1): about half the bytes per token of full K/V everywhere (the 20b: 12
         of its 24 layers are window layers), at the price of radix prefix reuse."""
         cfg = self.config
         _, kv_heads, _ = attention_heads(cfg.num_attention_heads, cfg.num_key_value_heads, self.parallel)
