@@ -72,6 +72,10 @@ class CacheConfig:
     mem_fraction_static: float | None = option(None, "share of GPU memory for the weights and the KV pool "
                                                      "(default 0.85)", aliases=("gpu_memory_utilization",))
     disable_radix_cache: bool = option(False, "do not reuse the KV of prompt prefixes across requests")
+    disable_window_rings: bool = option(False, "keep full-context K/V in sliding-window layers (gpt-oss), masked "
+                                               "past the window, instead of a per-request ring: about twice the KV "
+                                               "bytes per token, but prompt prefixes are reused (rings turn radix "
+                                               "reuse off)")
     kv_cache_dtype: str = option("auto", "auto (the model dtype), fp8_e4m3 or fp8_e5m2: the KV cache in FP8, half "
                                          "the bytes of bf16 (DeepSeek-V4: fp8_e4m3 only, its packed 584-byte "
                                          "entries, docs/design/deepseek-v4.md §6)", choices=("auto", "fp8_e4m3", "fp8_e5m2"))

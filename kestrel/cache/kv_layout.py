@@ -103,6 +103,9 @@ class KVLayout:
 
     groups: tuple[KVGroup, ...]
     prefix_cache_unsupported: str | None = None
+    # For a layout with window rings: the same model's layout with full K/V per token everywhere (window
+    # layers masked, not dropped), which keeps radix prefix reuse (--disable-window-rings).
+    without_rings: "KVLayout | None" = None
 
     def __post_init__(self) -> None:
         seen: set[tuple[int, str]] = set()
@@ -147,8 +150,15 @@ class KVLayout:
             ring = (window_ring_length(window, step_tokens), *entry)
             groups.append(KVGroup(f"window{window}", tuple(i for i, w in enumerate(windows) if w == window),
                                   Indexing.REQUEST, (KVBuffer("k", ring, dtype), KVBuffer("v", ring, dtype))))
-        rings = any(w is not None for w in windows)
-        return cls(tuple(groups), prefix_cache_unsupported=WINDOW_RING_NO_PREFIX_CACHE if rings else None)
+        if all(w is None for w in windows):
+            return cls(tuple(groups))
+        return cls(tuple(groups), prefix_cache_unsupported=WINDOW_RING_NO_PREFIX_CACHE,
+                   without_rings=cls.full_attention(len(windows), num_kv_heads, head_dim, dtype))
+
+    @property
+    def has_rings(self) -> bool:
+        """Whether some layers keep a per-request ring of their window (`windowed_attention`)."""
+        return self.without_rings is not None
 
     @property
     def latent(self) -> bool:

@@ -58,8 +58,15 @@ def build_runner(config: EngineConfig, device: torch.device, parallel: ParallelS
     step_tokens = (spec.speculative_num_draft_tokens or 1) if spec.speculative_algorithm else 1
     # A draft head's KV stays in the model dtype: its pool is small, and FP8 there would cost acceptance.
     # NEXTN's (DeepSeek-V4's MTP layer) follows the target's: one entry per slot grows with the tokens.
-    layouts = [model.kv_layout(kv_cache_dtype(config.cache.kv_cache_dtype, dtype), step_tokens)] + \
-        ([draft.kv_layout] if draft is not None else [])
+    target_layout = model.kv_layout(kv_cache_dtype(config.cache.kv_cache_dtype, dtype), step_tokens)
+    if target_layout.has_rings and config.cache.disable_window_rings:
+        target_layout = target_layout.without_rings
+    if target_layout.has_rings and (spec.speculative_eagle_topk or 1) > 1:
+        # A tree's accepted path is moved into place per token; a ring's entries cannot be moved so.
+        raise ValueError(f"speculative trees (speculative_eagle_topk={spec.speculative_eagle_topk}) cannot run over "
+                         "this model's sliding-window rings; use a chain (speculative_eagle_topk 1) or "
+                         "--disable-window-rings")
+    layouts = [target_layout] + ([draft.kv_layout] if draft is not None else [])
     if layouts[0].prefix_cache_unsupported and not config.cache.disable_radix_cache:
         if parallel.is_driver:
             logger.warning("prefix caching is off for this model: %s", layouts[0].prefix_cache_unsupported)

@@ -44,20 +44,29 @@ def prompts_and_expected(tiny: Path):
     return prompts, expected
 
 
-@pytest.mark.parametrize("backend", ["torch_native", "sdpa"])
-def test_greedy_matches_transformers(tiny, prompts_and_expected, backend):
+@pytest.mark.parametrize("backend, rings", [("torch_native", True), ("sdpa", True), ("torch_native", False),
+                                           ("sdpa", False)])
+def test_greedy_matches_transformers(tiny, prompts_and_expected, backend, rings):
     prompts, expected = prompts_and_expected
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     with Engine(model=str(tiny), device="cpu", dtype="float32", attention_backend=backend, chunked_prefill_size=8,
-                page_size=1) as engine:
+                page_size=1, disable_window_rings=not rings) as engine:
         cold = engine.generate(prompt_token_ids=prompts[:2], sampling_params=params)
         again = engine.generate(prompt_token_ids=prompts[1:], sampling_params=params)  # shared prefixes
         assert [o.token_ids for o in cold] == expected[:2]
         assert [o.token_ids for o in again] == expected[1:]
-        # The window rings keep no prefix's window keys: radix reuse is off (docs/design/window-rings.md).
-        assert engine.config.cache.disable_radix_cache
-        assert again[0].meta["cached_tokens"] == 0 and again[1].meta["cached_tokens"] == 0
+        assert engine.kv_memory.pools[0].layout.has_rings == rings
+        # The window rings keep no prefix's window keys: radix reuse is off (docs/design/window-rings.md);
+        # full K/V in the window layers (--disable-window-rings) keeps it.
+        assert engine.config.cache.disable_radix_cache == rings
+        assert (again[0].meta["cached_tokens"] > 0 and again[1].meta["cached_tokens"] > 0) != rings
         assert_pool_full(engine)
+
+
+def test_speculative_trees_over_rings_are_refused(tiny):
+    with pytest.raises(ValueError, match="speculative trees .* cannot run over this model's sliding-window rings"):
+        Engine(model=str(tiny), device="cpu", dtype="float32", speculative_algorithm="NGRAM", speculative_num_steps=3,
+               speculative_eagle_topk=2, speculative_num_draft_tokens=6)
 
 
 def test_triton_greedy_matches_transformers(tiny, prompts_and_expected):
