@@ -35,15 +35,19 @@ def models(tmp_path_factory) -> dict[str, tuple[str, list[list[int]]]]:
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-@pytest.mark.parametrize("name, backend", [("gpt_oss", "triton"), ("gpt_oss", "sdpa"), ("dsv3", "triton"),
-                                           ("qwen3_moe", "triton")])
-def test_greedy_on_cuda_matches_transformers(models, name, backend, graphs):
+@pytest.mark.parametrize("name, backend, rings", [
+    ("gpt_oss", "triton", True), ("gpt_oss", "triton", False), ("gpt_oss", "sdpa", True), ("dsv3", "triton", False),
+    ("qwen3_moe", "triton", False)])
+def test_greedy_on_cuda_matches_transformers(models, name, backend, rings, graphs):
+    """gpt-oss's window layers as rings (no radix reuse) and as full K/V (--disable-window-rings)."""
     path, expected = models[name]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     with Engine(model=path, device="cuda", dtype="float32", attention_backend=backend, page_size=1,
-                chunked_prefill_size=8, disable_cuda_graph=not graphs, cuda_graph_max_bs=4) as engine:
+                chunked_prefill_size=8, disable_cuda_graph=not graphs, cuda_graph_max_bs=4,
+                disable_window_rings=not rings) as engine:
         assert bool(engine.runner.cuda_graphs) == graphs
         cold = [o.token_ids for o in engine.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
-        warm = engine.generate(prompt_token_ids=PROMPTS[:2], sampling_params=params)  # radix hits
+        warm = engine.generate(prompt_token_ids=PROMPTS[:2], sampling_params=params)  # radix hits, but for rings
     assert cold == expected
-    assert [o.token_ids for o in warm] == expected[:2] and all(o.meta["cached_tokens"] > 0 for o in warm)
+    assert [o.token_ids for o in warm] == expected[:2]
+    assert all((o.meta["cached_tokens"] > 0) != rings for o in warm)
