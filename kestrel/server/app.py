@@ -4,8 +4,8 @@ API (OpenAI's, Anthropic's under /v1/messages).
 Open to all: /health and /ping (its SageMaker-style twin), /metrics (probes and scrapers, as vLLM keeps
 them), /version and /openapi.json. With --api-key, everything else needs `Authorization: Bearer KEY` (or
 `x-api-key: KEY`, which the anthropic client sends): /v1/*, /generate, /tokenize, /detokenize and
-/server_info (which names the model path and the engine's PID), and what a gateway reads (/get_load,
-/model_info, /get_model_info: gateway_api).
+/server_info (which names the model path and the engine's PID), and what a gateway reads or asks (/get_load,
+/model_info, /get_model_info, /flush_cache: gateway_api).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ KESTREL_VERSION = version("kestrel")
 def _protected(path: str) -> bool:
     return path.startswith(("/v1/", "/v2/")) or path in ("/v1", "/generate", "/tokenize", "/detokenize", "/server_info",
                                                          "/rerank", "/score", "/get_load", "/model_info",
-                                                         "/get_model_info")
+                                                         "/get_model_info", "/flush_cache")
 
 
 class APIKeyMiddleware:
@@ -141,7 +141,7 @@ def build_app(state: ServerState, max_request_bytes: int, request_read_timeout: 
             "admission": {"requests": state.admission.num_requests, "engine_requests": state.admission.in_flight,
                           "capacity": state.admission.capacity, "stopping": state.admission.stopping}})
 
-    gateway_api.install(app, state)  # /v1/loads, /model_info: what a gateway reads of a replica
+    gateway_api.install(app, state)  # /v1/loads, /model_info, /flush_cache: what a gateway reads or asks
 
     @app.get("/v1/models")
     async def models() -> Response:
