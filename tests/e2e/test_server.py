@@ -97,6 +97,10 @@ def test_chat_greedy_equals_offline_engine_streamed_or_not(client, offline):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    # OpenAI's system_fingerprint: one per server configuration, on every answer and chunk.
+    fingerprint = whole.system_fingerprint
+    assert fingerprint.startswith("kestrel-") and {c.system_fingerprint for c in chunks} == {fingerprint}
+    assert client.completions.create(prompt="x", **greedy(1)).system_fingerprint == fingerprint
 
 
 def test_sampled_stream_equals_non_stream_for_the_same_seed(client):
