@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 KESTREL_VERSION = version("kestrel")
 
 
-def _protected(path: str) -> bool:
+def needs_api_key(path: str) -> bool:
+    """Whether --api-key guards `path` (see the module docstring)."""
     return path.startswith(("/v1/", "/v2/")) or path in ("/v1", "/generate", "/tokenize", "/detokenize", "/server_info",
                                                          "/rerank", "/score", "/get_load", "/model_info",
                                                          "/get_model_info", "/flush_cache")
@@ -46,7 +47,7 @@ class APIKeyMiddleware:
         self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _protected(scope["path"]):
+        if scope["type"] == "http" and needs_api_key(scope["path"]):
             headers = dict(scope["headers"])
             # Both compared, always: how long the check takes says nothing about which header was sent.
             bearer = secrets.compare_digest(headers.get(b"authorization", b""), self.bearer)
@@ -198,11 +199,11 @@ def build_app(state: ServerState, max_request_bytes: int, request_read_timeout: 
     async def generate(request: Request) -> Response:
         return await native_api.generate(state, request)
 
-    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
     async def load_lora_adapter(request: Request) -> Response:
         return await lora_api.load(state, request)
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
     async def unload_lora_adapter(request: Request) -> Response:
         return await lora_api.unload(state, request)
 

@@ -56,8 +56,8 @@ def install(app: FastAPI, state: ServerState) -> None:
     async def get_model_info() -> Response:
         return JSONResponse(model_info(state))
 
-    @app.get("/flush_cache")
-    @app.post("/flush_cache")
+    @app.get("/flush_cache", response_class=PlainTextResponse)
+    @app.post("/flush_cache", response_class=PlainTextResponse)
     async def flush_cache() -> Response:
         """SGLang's answers: 200 with a line of text once flushed, 400 while requests run (a flush then would
         pull pages from under them, so the engine refuses it and nothing is dropped)."""
