@@ -6,8 +6,10 @@ clients depend on: routes, status codes on bad input, response keys and the erro
     python scripts/api_battery.py http://127.0.0.1:8000 demo > shapes.json
     python scripts/api_battery.py http://127.0.0.1:8000 demo --compare tests/e2e/data/vllm_shapes.json
 
-The battery asks both servers for the same things; tests/e2e/test_api_conformance.py replays it against
-kestrel and compares with vLLM's recording (tests/e2e/data/vllm_shapes.json).
+`--pooling` sends the embeddings, rerank and score battery instead, to a server of an embedding model
+(vLLM's `--runner pooling`). The battery asks both servers for the same things;
+tests/e2e/test_api_conformance.py replays both against kestrel and compares with vLLM's recordings
+(tests/e2e/data/vllm_shapes.json, tests/e2e/data/vllm_pooling_shapes.json).
 """
 from __future__ import annotations
 
@@ -65,6 +67,31 @@ def battery(model: str) -> list[tuple[str, str, str, Any]]:
     ]
 
 
+def pooling_battery(model: str) -> list[tuple[str, str, str, Any]]:
+    """The embeddings, rerank and score requests, in `battery`'s form."""
+    emb = {"model": model, "input": ["Hello world", "the quick brown fox"]}
+    docs = ["the quick brown fox", "a lazy dog", "hello"]
+    return [
+        ("embeddings", "POST", "/v1/embeddings", emb),
+        ("embeddings_base64", "POST", "/v1/embeddings", {**emb, "encoding_format": "base64"}),
+        ("embeddings_token_ids", "POST", "/v1/embeddings", {**emb, "input": [[5, 6, 7], [8, 9]]}),
+        ("embeddings_dimensions", "POST", "/v1/embeddings", {**emb, "dimensions": 16}),
+        ("rerank", "POST", "/v1/rerank", {"model": model, "query": "quick fox", "documents": docs, "top_n": 2}),
+        ("rerank_unversioned", "POST", "/rerank", {"model": model, "query": "quick fox", "documents": docs}),
+        ("score", "POST", "/v1/score", {"model": model, "text_1": "quick fox", "text_2": docs}),
+        ("score_unversioned", "POST", "/score", {"model": model, "text_1": "quick fox", "text_2": docs[0]}),
+        # bad input
+        ("embeddings_dimensions_too_large", "POST", "/v1/embeddings", {**emb, "dimensions": 10_000}),
+        ("embeddings_dimensions_zero", "POST", "/v1/embeddings", {**emb, "dimensions": 0}),
+        ("embeddings_bad_encoding", "POST", "/v1/embeddings", {**emb, "encoding_format": "hex"}),
+        ("embeddings_missing_input", "POST", "/v1/embeddings", {"model": model}),
+        ("embeddings_float_input", "POST", "/v1/embeddings", {**emb, "input": [1.5]}),
+        ("embeddings_unknown_model", "POST", "/v1/embeddings", {**emb, "model": "no-such-model"}),
+        ("rerank_missing_documents", "POST", "/v1/rerank", {"model": model, "query": "quick fox"}),
+        ("score_lengths_differ", "POST", "/v1/score", {"model": model, "text_1": ["a", "b"], "text_2": docs}),
+    ]
+
+
 def shape(value: Any) -> Any:
     """The JSON types of `value`: objects keep their keys, lists the shape of their first item."""
     if isinstance(value, dict):
@@ -78,10 +105,10 @@ def shape(value: Any) -> Any:
     return "null" if value is None else "str"
 
 
-def record(base_url: str, model: str) -> dict[str, Any]:
+def record(base_url: str, model: str, pooling: bool = False) -> dict[str, Any]:
     out = {}
     with httpx.Client(base_url=base_url, timeout=120) as http:
-        for name, method, path, body in battery(model):
+        for name, method, path, body in (pooling_battery if pooling else battery)(model):
             kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
                 else {"json": body} if body is not None else {}
             r = http.request(method, path, **kwargs)
@@ -121,8 +148,9 @@ def main() -> int:
     parser.add_argument("model", help="the served model name")
     parser.add_argument("--compare", help="a recording (JSON) to compare with instead of printing ours")
     parser.add_argument("--label", default="", help="recorded as `server` (e.g. 'vllm 0.32.0')")
+    parser.add_argument("--pooling", action="store_true", help="the embeddings, rerank and score battery")
     args = parser.parse_args()
-    shapes = record(args.base_url, args.model)
+    shapes = record(args.base_url, args.model, args.pooling)
     if not args.compare:
         json.dump({"server": args.label, "cases": shapes}, sys.stdout, indent=1, sort_keys=True)
         return 0

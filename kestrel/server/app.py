@@ -4,8 +4,8 @@ API (OpenAI's, Anthropic's under /v1/messages).
 Open to all: /health and /ping (its SageMaker-style twin), /metrics (probes and scrapers, as vLLM keeps
 them), /version and /openapi.json. With --api-key, everything else needs `Authorization: Bearer KEY` (or
 `x-api-key: KEY`, which the anthropic client sends): /v1/*, /generate, /tokenize, /detokenize and
-/server_info (which names the model path and the engine's PID), and what a gateway reads (/get_load,
-/model_info, /get_model_info: gateway_api).
+/server_info (which names the model path and the engine's PID), and what a gateway reads or asks (/get_load,
+/model_info, /get_model_info, /flush_cache: gateway_api).
 """
 from __future__ import annotations
 
@@ -31,10 +31,11 @@ logger = logging.getLogger(__name__)
 KESTREL_VERSION = version("kestrel")
 
 
-def _protected(path: str) -> bool:
+def needs_api_key(path: str) -> bool:
+    """Whether --api-key guards `path` (see the module docstring)."""
     return path.startswith(("/v1/", "/v2/")) or path in ("/v1", "/generate", "/tokenize", "/detokenize", "/server_info",
                                                          "/rerank", "/score", "/get_load", "/model_info",
-                                                         "/get_model_info")
+                                                         "/get_model_info", "/flush_cache")
 
 
 class APIKeyMiddleware:
@@ -46,7 +47,7 @@ class APIKeyMiddleware:
         self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _protected(scope["path"]):
+        if scope["type"] == "http" and needs_api_key(scope["path"]):
             headers = dict(scope["headers"])
             # Both compared, always: how long the check takes says nothing about which header was sent.
             bearer = secrets.compare_digest(headers.get(b"authorization", b""), self.bearer)
@@ -141,7 +142,7 @@ def build_app(state: ServerState, max_request_bytes: int, request_read_timeout: 
             "admission": {"requests": state.admission.num_requests, "engine_requests": state.admission.in_flight,
                           "capacity": state.admission.capacity, "stopping": state.admission.stopping}})
 
-    gateway_api.install(app, state)  # /v1/loads, /model_info: what a gateway reads of a replica
+    gateway_api.install(app, state)  # /v1/loads, /model_info, /flush_cache: what a gateway reads or asks
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -198,11 +199,11 @@ def build_app(state: ServerState, max_request_bytes: int, request_read_timeout: 
     async def generate(request: Request) -> Response:
         return await native_api.generate(state, request)
 
-    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
     async def load_lora_adapter(request: Request) -> Response:
         return await lora_api.load(state, request)
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
     async def unload_lora_adapter(request: Request) -> Response:
         return await lora_api.unload(state, request)
 

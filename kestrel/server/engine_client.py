@@ -31,7 +31,8 @@ from kestrel.config import EngineConfig, ServerConfig
 from kestrel.server.engine_process import engine_main
 from kestrel.server.errors import APIError
 from kestrel.server.messages import (AbortRequests, AddRequests, Admission, EngineFailed, EngineReady, EngineStats,
-                                     LoRACommand, LoRAReply, NewRequest, Shutdown, StepOutput, TokenDelta)
+                                     FlushCache, FlushCacheReply, LoRACommand, LoRAReply, NewRequest, Shutdown,
+                                     StepOutput, TokenDelta)
 from kestrel.server.metrics import ServerMetrics
 from kestrel.server.metrics_dialects import FinishedRequest
 
@@ -134,7 +135,8 @@ class EngineClient:
         self._groups: dict[str, RequestGroup] = {}  # waiting for their Admission
         # --enable-lora: the loaded adapters (name -> path) as of the engine's last LoRAReply; None: off.
         self.lora_adapters: dict[str, str] | None = info.lora_adapters
-        self._lora_commands: dict[str, asyncio.Future[LoRAReply]] = {}
+        # The commands (LoRACommand, FlushCache) waiting for the engine's reply, by their id.
+        self._commands: dict[str, asyncio.Future[Any]] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._rid_counter = itertools.count()
         self._readable = asyncio.Event()
@@ -232,12 +234,22 @@ class EngineClient:
         """Load (`path`) or unload (None) a LoRA adapter in the engine; raises APIError with its reason."""
         if not self.alive:
             raise self.dead_error()
-        command = LoRACommand(uuid.uuid4().hex, name, path)
-        reply = self._lora_commands[command.id] = asyncio.get_running_loop().create_future()
-        self._send(command)
-        result = await reply
+        result = await self._command(LoRACommand(uuid.uuid4().hex, name, path))
         if result.error is not None:
             raise APIError(result.status, result.error, "lora_path" if path is not None else "lora_name")
+
+    async def flush_cache(self) -> bool:
+        """Drop every cached prefix in the engine; False (nothing dropped) while requests are queued or running."""
+        if not self.alive:
+            raise self.dead_error()
+        reply: FlushCacheReply = await self._command(FlushCache(uuid.uuid4().hex))
+        return reply.flushed
+
+    async def _command(self, command: LoRACommand | FlushCache) -> Any:
+        """Send `command` and wait for the engine's reply to it (an APIError when the engine dies first)."""
+        reply = self._commands[command.id] = asyncio.get_running_loop().create_future()
+        self._send(command)
+        return await reply
 
     def abort(self, rids: list[str]) -> None:
         """Abort unfinished requests; their final deltas still arrive and still count in the metrics."""
@@ -324,9 +336,10 @@ class EngineClient:
                     for rid in group.rids:
                         self._tracked.pop(rid, None)
                     group.admitted.set_exception(APIError(msg.status, msg.error, msg.param))
-        elif isinstance(msg, LoRAReply):
-            self.lora_adapters = msg.adapters
-            reply = self._lora_commands.pop(msg.id, None)
+        elif isinstance(msg, (LoRAReply, FlushCacheReply)):
+            if isinstance(msg, LoRAReply):
+                self.lora_adapters = msg.adapters
+            reply = self._commands.pop(msg.id, None)
             if reply is not None and not reply.done():
                 reply.set_result(msg)
         elif isinstance(msg, EngineFailed):  # a tensor-parallel rank died; the engine process exits now
@@ -377,10 +390,10 @@ class EngineClient:
             if not group.admitted.done():
                 group.admitted.set_exception(error)
         self._groups.clear()
-        for reply in self._lora_commands.values():
+        for reply in self._commands.values():
             if not reply.done():
                 reply.set_exception(error)
-        self._lora_commands.clear()
+        self._commands.clear()
         for group in {id(t.group): t.group for t in self._tracked.values()}.values():
             group.queue.put_nowait(error)
         self._tracked.clear()

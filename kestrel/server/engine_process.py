@@ -21,8 +21,8 @@ from kestrel.config import EngineConfig
 from kestrel.core.outputs import StepInfo
 from kestrel.core.request import Request
 from kestrel.distributed.errors import RankFailedError
-from kestrel.server.messages import (AbortRequests, AddRequests, Admission, EngineFailed, EngineReady,
-                                     LoRACommand, LoRAReply, Shutdown, StepOutput, TokenDelta)
+from kestrel.server.messages import (AbortRequests, AddRequests, Admission, EngineFailed, EngineReady, FlushCache,
+                                     FlushCacheReply, LoRACommand, LoRAReply, Shutdown, StepOutput, TokenDelta)
 from kestrel.server.process_exit import skip_teardown_on_exit
 
 if TYPE_CHECKING:
@@ -123,6 +123,11 @@ class EngineLoop:
                     touched += msg.rids
                 elif isinstance(msg, LoRACommand):
                     self._lora(msg)
+                elif isinstance(msg, FlushCache):
+                    flushed = engine.flush_cache()  # refused while requests of this batch or earlier ones run
+                    self.outbox.send(FlushCacheReply(msg.id, flushed))
+                    if flushed:  # the cache's share of the KV pool is free now: stats say so at once
+                        self.stats_sent_idle = False
                 elif isinstance(msg, Shutdown):
                     return
                 else:

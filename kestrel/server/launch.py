@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import hashlib
+import json
 import logging
 import socket
 from collections.abc import Sequence
@@ -19,7 +22,7 @@ from kestrel.config import EngineConfig
 from kestrel.config_resolve import resolve_config
 from kestrel.engine.tokenizer import load_tokenizer
 from kestrel.server.admission import AdmissionControl
-from kestrel.server.app import build_app
+from kestrel.server.app import KESTREL_VERSION, build_app
 from kestrel.server.engine_client import EngineClient, EngineStartError
 from kestrel.server.metrics import ServerMetrics
 from kestrel.server.pooling_model import PoolingConfigError, read_embedder, read_scorer
@@ -60,6 +63,15 @@ def bind(host: str, port: int) -> socket.socket:
 
 def url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def system_fingerprint(config: EngineConfig) -> str:
+    """OpenAI's `system_fingerprint`, fixed for the server's life: kestrel's version and a hash of every engine
+    option (the model, dtype, quantization, cache, scheduler, ...; the server section, with its port and API
+    key, left out), so that a client sees when the configuration its answers come from changed."""
+    options = {section: value for section, value in dataclasses.asdict(config).items() if section != "server"}
+    digest = hashlib.sha256(json.dumps(options, default=str, sort_keys=True).encode()).hexdigest()[:8]
+    return f"kestrel-{KESTREL_VERSION}-{digest}"
 
 
 def serve(config: EngineConfig, served_model_names: Sequence[str] = ()) -> int:
@@ -108,7 +120,8 @@ def serve(config: EngineConfig, served_model_names: Sequence[str] = ()) -> int:
         reasoning = reasoning_parser(server_config.reasoning_parser) if server_config.reasoning_parser else None
         state = ServerState(client, tokenization, name, config.model.model, metrics, admission,
                             server_config.api_key, parser, reasoning, tuple(aliases),
-                            ResponseStore(server_config.responses_store_size), embedder, scorer)
+                            ResponseStore(server_config.responses_store_size), embedder, scorer,
+                            system_fingerprint(config))
         debug = server_config.log_level.lower() == "debug"
         # Drain ends every request before uvicorn stops, so uvicorn's own grace period only bounds a
         # connection still sending its request.

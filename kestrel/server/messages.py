@@ -1,9 +1,9 @@
 """The message schema between the HTTP process and the engine process (pickled over pipes).
 
-HTTP → engine: `AddRequests`, `AbortRequests`, `LoRACommand`, `Shutdown`.
+HTTP → engine: `AddRequests`, `AbortRequests`, `LoRACommand`, `FlushCache`, `Shutdown`.
 Engine → HTTP: first exactly one of `EngineReady` / `EngineFailed`; then `Admission` (one per
 `AddRequests`, always before any output of its requests), `LoRAReply` (one per `LoRACommand`),
-`StepOutput` (one per step that changed something) and `EngineStats` (when the engine goes idle, and
+`FlushCacheReply` (one per `FlushCache`), `StepOutput` (one per step that changed something) and `EngineStats` (when the engine goes idle, and
 periodically while busy).
 
 Every request reports exactly one `TokenDelta` with `finished=True`, including aborted ones, after
@@ -46,6 +46,13 @@ class LoRACommand:
     id: str
     name: str
     path: str | None = None
+
+
+@dataclass
+class FlushCache:
+    """Drop every cached prefix (SGLang's /flush_cache); done only while no request is queued or running."""
+
+    id: str
 
 
 @dataclass
@@ -123,3 +130,11 @@ class LoRAReply:
     adapters: dict[str, str]
     error: str | None = None
     status: int = 400
+
+
+@dataclass
+class FlushCacheReply:
+    """The outcome of a `FlushCache`: False when requests were queued or running, so nothing was dropped."""
+
+    id: str
+    flushed: bool

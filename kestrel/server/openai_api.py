@@ -112,7 +112,8 @@ async def completions(state: ServerState, request: Request) -> Response:
         gen = Generation(state.client, state.tokenizer, *expand_choices(prompts, params, body.n), ticket,
                          grammar_param=body.grammar_param(), api_names=_API_NAMES, lora_name=state.lora_of(model))
     echo_of = [echoes[i // body.n] for i in range(len(gen.choices))]
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": gen.created, "model": model}
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": gen.created, "model": model,
+            "system_fingerprint": state.system_fingerprint}
     name = _token_name(state, body.return_tokens_as_token_ids)
     offsets = [len(e) for e in echo_of]  # text_offset of the next token, per choice
     unechoed = set(range(len(echo_of)))  # streaming: the echo goes out with a choice's first update
@@ -187,7 +188,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     turn = await prepare_chat(state, body, body_bytes, asked, name, names)
     gen = turn.gen
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": gen.created,
-            "model": model}
+            "model": model, "system_fingerprint": state.system_fingerprint}
     token_name = _token_name(state, body.return_tokens_as_token_ids)
 
     def logprobs_of(ids: list[int], lps: list[float] | None, tops: list | None) -> dict | None:

@@ -1,7 +1,7 @@
 """The OpenAPI schema served at /openapi.json, request bodies and error answers included.
 
-The generation endpoints read their bodies themselves (a 413 before reading, our own 400s), so
-FastAPI cannot see their models; the schemas are added here from the same pydantic classes that
+The endpoints read their bodies themselves (a 413 before reading, our own 400s), so FastAPI cannot
+see their models; the schemas are added here from the same pydantic classes that
 validate the bodies, so they cannot drift apart. So are the error answers each route gives, in OpenAI's
 error shape, or Anthropic's on /v1/messages (`kestrel.server.errors`); no route answers 422 (a bad body
 is a 400).
@@ -16,7 +16,9 @@ from pydantic import BaseModel
 
 from kestrel.server.anthropic_api import CountTokensRequest, MessagesRequest
 from kestrel.server.errors import speaks_anthropic
-from kestrel.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from kestrel.server.pooling_api import EmbeddingRequest, RerankRequest, ScoreRequest
+from kestrel.server.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest, LoadLoRARequest,
+                                     UnloadLoRARequest)
 from kestrel.server.responses_api import ResponsesRequest
 from kestrel.server.tokenize_api import DetokenizeRequest, TokenizeRequest
 
@@ -24,19 +26,26 @@ BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
     "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
     "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
-    "/generate": GenerateRequest}
+    "/generate": GenerateRequest, "/v1/embeddings": EmbeddingRequest, "/v1/rerank": RerankRequest,
+    "/rerank": RerankRequest, "/v2/rerank": RerankRequest, "/v1/score": ScoreRequest, "/score": ScoreRequest,
+    "/v1/load_lora_adapter": LoadLoRARequest, "/v1/unload_lora_adapter": UnloadLoRARequest}
 
 ERRORS = {400: "the request is invalid (`param` names the field)", 401: "a missing or wrong API key (with --api-key)",
-          404: "no such model (`code`: model_not_found), or no such stored response", 413: "the body is over --max-request-bytes",
+          404: "no such model (`code`: model_not_found), no such LoRA adapter, or no such stored response",
+          413: "the body is over --max-request-bytes",
           503: "the server is draining, restarting its engine, or full (then with Retry-After)"}
-# The error answers of each path beside its 200; the /v1 paths, /generate and /server_info are the ones
-# --api-key protects (kestrel.server.app).
+# The error answers of each path beside its 200; 401 marks the paths --api-key protects (kestrel.server.app).
 _GENERATION = (400, 401, 413, 503)
 ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
     "/v1/completions": (*_GENERATION, 404), "/v1/chat/completions": (*_GENERATION, 404), "/generate": _GENERATION,
     "/v1/messages": (*_GENERATION, 404), "/v1/messages/count_tokens": (400, 401, 404, 413),
     "/v1/responses": (*_GENERATION, 404), "/v1/responses/{response_id}": (401, 404),
     "/tokenize": (400, 401, 404, 413), "/detokenize": (400, 401, 404, 413),
+    "/v1/embeddings": (*_GENERATION, 404), "/v1/rerank": (*_GENERATION, 404), "/rerank": (*_GENERATION, 404),
+    "/v2/rerank": (*_GENERATION, 404), "/v1/score": (*_GENERATION, 404), "/score": (*_GENERATION, 404),
+    "/v1/load_lora_adapter": (400, 401, 413, 503), "/v1/unload_lora_adapter": (400, 401, 404, 413, 503),
+    "/flush_cache": (400, 401, 503),  # 400: requests are running, nothing was flushed
+    "/v1/loads": (401,), "/get_load": (401,), "/model_info": (401,), "/get_model_info": (401,),
     "/v1/models": (401,), "/server_info": (401,), "/health": (503,), "/ping": (503,)}
 
 ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {

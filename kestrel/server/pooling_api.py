@@ -77,7 +77,7 @@ async def embeddings(state: ServerState, request: Request) -> Response:
     tokens = sum(len(c.prompt_ids) for c in choices)
     return JSONResponse({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                          "model": model, "data": data,
-                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+                         "usage": _usage(tokens)})
 
 
 async def rerank(state: ServerState, request: Request) -> Response:
@@ -91,7 +91,7 @@ async def rerank(state: ServerState, request: Request) -> Response:
     results = [{"index": i, "relevance_score": scores[i]} | ({"document": {"text": texts[i]}}
                                                               if body.return_documents else {}) for i in top]
     return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": model, "results": results,
-                         "usage": {"total_tokens": tokens}})
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
 
 async def score(state: ServerState, request: Request) -> Response:
@@ -110,10 +110,15 @@ async def score(state: ServerState, request: Request) -> Response:
     return JSONResponse({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                          "model": model, "data": [{"index": i, "object": "score", "score": s}
                                                   for i, s in enumerate(scores)],
-                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+                         "usage": _usage(tokens)})
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+def _usage(prompt_tokens: int) -> dict[str, int]:
+    """vLLM's usage of an answer without generated tokens (its completion_tokens is 0)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
+
+
 async def _scores(state: ServerState, request: Request, queries: list[str], documents: list[str], param: str,
                   body_bytes: int, priority: int) -> tuple[list[float], int]:
     """The probability of the "yes" token for each (query, document) pair, and the prompt tokens read."""

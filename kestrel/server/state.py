@@ -49,6 +49,7 @@ class ServerState:
     # How the model embeds and scores (kestrel.server.pooling_model); None: it does not.
     embedder: Embedder | None = None
     scorer: Scorer | None = None
+    system_fingerprint: str | None = None  # on every chat and completion answer (kestrel.server.launch)
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

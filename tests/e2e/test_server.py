@@ -19,6 +19,7 @@ import torch
 
 from kestrel import Engine, SamplingParams
 from kestrel.engine.tokenizer import apply_chat_template
+from kestrel.server.app import needs_api_key
 from tests.e2e import server_process
 from tests.e2e.server_process import REPO, ServerProcess, free_port, metric_samples, pid_exists, serve_command, wait_idle
 
@@ -97,6 +98,10 @@ def test_chat_greedy_equals_offline_engine_streamed_or_not(client, offline):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    # OpenAI's system_fingerprint: one per server configuration, on every answer and chunk.
+    fingerprint = whole.system_fingerprint
+    assert fingerprint.startswith("kestrel-") and {c.system_fingerprint for c in chunks} == {fingerprint}
+    assert client.completions.create(prompt="x", **greedy(1)).system_fingerprint == fingerprint
 
 
 def test_sampled_stream_equals_non_stream_for_the_same_seed(client):
@@ -493,7 +498,7 @@ def test_disconnect_aborts_the_request_and_frees_its_kv(http):
 def test_api_key_is_enforced_on_v1_generate_and_server_info(server, http):
     with httpx.Client(base_url=server.url, timeout=30) as anon:
         for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                             ("POST", "/generate"), ("GET", "/server_info")]:
+                             ("POST", "/generate"), ("GET", "/server_info"), ("POST", "/flush_cache")]:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
                 r = anon.request(method, path, headers=headers, json={})
                 assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
@@ -538,6 +543,28 @@ def test_openapi_schema_describes_every_endpoint_and_its_body(http):
     assert components["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
     one_of = components["GenerateRequest"]["oneOf"]
     assert [branch["required"] for branch in one_of] == [["text"], ["input_ids"]]
+    # The routes added beside generation: their bodies, errors, and the text SGLang's and vLLM's admin routes answer.
+    for path, model, field in [("/v1/embeddings", "EmbeddingRequest", "dimensions"),
+                               ("/v1/rerank", "RerankRequest", "documents"), ("/rerank", "RerankRequest", "top_n"),
+                               ("/v2/rerank", "RerankRequest", "query"), ("/v1/score", "ScoreRequest", "text_2"),
+                               ("/score", "ScoreRequest", "text_1"),
+                               ("/v1/load_lora_adapter", "LoadLoRARequest", "lora_path"),
+                               ("/v1/unload_lora_adapter", "UnloadLoRARequest", "lora_name")]:
+        ref = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{model}" and field in components[model]["properties"], path
+    for path, method, statuses in [("/v1/embeddings", "post", "400 401 404 413 503"),
+                                   ("/score", "post", "400 401 404 413 503"),
+                                   ("/v1/unload_lora_adapter", "post", "400 401 404 413 503"),
+                                   ("/flush_cache", "post", "400 401 503"), ("/flush_cache", "get", "400 401 503"),
+                                   ("/v1/loads", "get", "401"), ("/get_load", "get", "401"),
+                                   ("/model_info", "get", "401"), ("/get_model_info", "get", "401")]:
+        assert sorted(paths[path][method]["responses"]) == sorted(["200", *statuses.split()]), path
+    assert list(paths["/flush_cache"]["post"]["responses"]["200"]["content"]) == ["text/plain"]
+    # No route drifts out of the schema: every POST but the probes declares its body, every protected route its 401.
+    for path, operations in paths.items():
+        for method, operation in operations.items():
+            assert method != "post" or "requestBody" in operation or path in ("/ping", "/flush_cache"), path
+            assert not needs_api_key(path) or "401" in operation["responses"], (path, method)
 
 
 def test_metrics_parse_and_count_tokens(client, http):

@@ -1,5 +1,6 @@
-"""What gateways read of a real server: /metrics under vLLM's and SGLang's names, and a /health that
-tells a hung engine loop from a busy one (CPU, tiny model, `kestrel serve` as a subprocess)."""
+"""What gateways read of a real server: /metrics under vLLM's and SGLang's names, a /health that
+tells a hung engine loop from a busy one, and what they ask of it: /flush_cache, seen by a KV-events
+subscriber (CPU, tiny model, `kestrel serve` as a subprocess)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,10 @@ import pytest
 
 from tests.e2e import server_process
 from tests.e2e.server_process import ServerProcess, metric_samples, wait_idle
+from tests.e2e.test_kv_events import receive_until_cleared
+
+zmq = pytest.importorskip("zmq")
+msgpack = pytest.importorskip("msgpack")
 
 NAME = "tiny"
 STALL_TIMEOUT = 2.0
@@ -20,11 +25,30 @@ SGLANG = {"model_name": NAME}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model):
+def events_endpoint(tmp_path_factory) -> str:
+    return f"ipc://{tmp_path_factory.mktemp('kv-events')}/pub"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, events_endpoint):
     srv = ServerProcess(tiny_model("llama", max_position_embeddings=4096), "--served-model-name", NAME,
-                        "--health-stall-timeout", str(STALL_TIMEOUT))
+                        "--health-stall-timeout", str(STALL_TIMEOUT), "--kv-events-config",
+                        json.dumps({"enable_kv_cache_events": True, "endpoint": events_endpoint}))
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def events(server, events_endpoint):
+    """A subscriber to the server's KV-cache events, connected before any test sends a request."""
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(events_endpoint)
+    time.sleep(0.3)  # a PUB socket drops what it sends before the subscription arrives
+    yield sub
+    sub.close(linger=0)
+    ctx.term()
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +63,7 @@ def metric(samples: dict, name: str, **labels: str) -> float:
     return samples[key]
 
 
-def test_vllm_and_sglang_names_count_what_was_served(http):
+def test_vllm_and_sglang_names_count_what_was_served(http, events):
     """Fresh server: every count equals what the requests got; gauges read idle; the shared prompt's
     second run is a prefix-cache hit in both dialects."""
     prompts = ["the same long prompt, shared by two requests " * 4] * 2 + ["another one", "a fourth prompt"]
@@ -152,3 +176,31 @@ def test_health_is_503_while_the_engine_loop_is_stuck_with_work_then_200_once_it
     assert metric(s, "vllm:request_success_total", finished_reason="abort", **VLLM) == 1
     assert metric(s, "sglang:num_aborted_requests_total", **SGLANG) == 1
     assert server_process.pid_exists(engine_pid)  # the same engine process: reported, not restarted
+
+
+def test_flush_cache_is_refused_while_a_request_runs_then_drops_every_cached_prefix(http, events):
+    """SGLang's /flush_cache: 400 while a request runs (nothing dropped: the prefix is still a cache hit),
+    200 "Cache flushed." once idle; then the same prompt hits nothing, and the event stream says
+    AllBlocksCleared."""
+    prompt = "a prompt the cache keeps until it is flushed " * 3
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as stream:
+        next(line for line in stream.iter_lines() if line.startswith("data: "))  # it runs
+        r = http.post("/flush_cache")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "requests_running", r.text
+    wait_idle(http)  # the stream closed early: its request was aborted, its prefix cached
+
+    def cached_tokens() -> int:
+        r = http.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 1})
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached_tokens() > 0
+    wait_idle(http)
+    r = http.post("/flush_cache")
+    assert r.status_code == 200 and r.text == "Cache flushed.\n" and r.headers["content-type"].startswith("text/plain")
+    batches = [msgpack.unpackb(payload) for _, _, payload in receive_until_cleared(events)]
+    assert ["AllBlocksCleared"] in batches[-1][1]
+    assert any(e[0] == "BlockStored" for _, evs, _ in batches for e in evs)  # what the flush dropped
+    assert cached_tokens() == 0
+    wait_idle(http)
+    assert http.get("/flush_cache").status_code == 200  # SGLang takes GET too

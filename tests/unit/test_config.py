@@ -173,3 +173,13 @@ def test_declared_choices_are_the_ones_their_subsystems_accept():
     assert choices["tool_call_parser"] == tuple(PARSERS)
     assert choices["reasoning_parser"] == tuple(REASONING_PARSERS)
     assert choices["speculative_algorithm"] == ALGORITHMS
+
+
+def test_system_fingerprint_names_the_engine_options_not_the_servers():
+    from kestrel.server.launch import system_fingerprint
+
+    base = system_fingerprint(EngineConfig.from_flat(model="demo", dtype="float32"))
+    assert base.startswith("kestrel-") and base == system_fingerprint(EngineConfig.from_flat(model="demo",
+                                                                                           dtype="float32"))
+    assert system_fingerprint(EngineConfig.from_flat(model="demo", dtype="float32", port=9, api_key="k")) == base
+    assert system_fingerprint(EngineConfig.from_flat(model="demo", dtype="bfloat16")) != base
