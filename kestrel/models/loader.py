@@ -19,7 +19,7 @@ from kestrel.models.destination import checkpoint_destination, expected_keys
 from kestrel.models.gguf import gguf_file, gguf_tensors, read_gguf_config
 from kestrel.models.registry import model_class
 from kestrel.progress import progress_bar
-from kestrel.quant.int4 import INT4_METHODS, int4_config
+from kestrel.quant.int4 import INT4_METHODS, check_int4_family, int4_config
 from kestrel.quant.resolve import checkpoint_quantization
 
 # Buffers some checkpoints store that kestrel recomputes (rope frequencies).
@@ -89,6 +89,8 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
         use_checkpoint_fp8_linears(model, names, kernels.triton_fp8)
     elif stored is not None:
         from kestrel.quant.linears import use_checkpoint_int4_linears
+
+        check_int4_family(cls, stored)
 
         use_checkpoint_int4_linears(model, names, int4_config(config["quantization_config"]), kernels.triton_int4)
     copy_checkpoint(model, model_path, getattr(cfg, "architecture", cls.__name__), cls.stacked_params, skip, model.checkpoint_name,

@@ -156,3 +156,10 @@ def dequantize(w: Int4Weight) -> torch.Tensor:
     if w.perm is not None:
         values = torch.empty_like(values).index_copy_(0, w.perm.long(), values)
     return values.t()
+
+
+def check_int4_family(cls: type, method: str) -> None:
+    """ValueError unless the model family `cls` serves `method` (4-bit) checkpoints: dense families only."""
+    if cls.has_routed_experts or cls.loads_own_checkpoint:
+        raise ValueError(f"{method} checkpoints load into dense models only: kestrel's 4-bit GEMM serves linear "
+                         f"layers, not the routed experts of {cls.__name__}")

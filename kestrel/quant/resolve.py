@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from kestrel.quant.fp8 import BLOCK
-from kestrel.quant.int4 import INT4_METHODS, int4_config
+from kestrel.quant.int4 import INT4_METHODS, check_int4_family, int4_config
 from kestrel.quant.kv import KV_CACHE_DTYPES
 from kestrel.quant.mxfp4 import is_mxfp4_checkpoint
 
@@ -99,7 +99,4 @@ def _check_int4(quantization: str | None, stored: str | None, hf: dict[str, Any]
     if quantization not in (None, stored):
         raise ValueError(f"quantization {quantization!r} does not match the checkpoint's {stored!r} weights; leave "
                          "quantization unset to load what the checkpoint holds")
-    cls = model_class(hf.get("architectures") or [])
-    if cls.has_routed_experts or cls.loads_own_checkpoint:
-        raise ValueError(f"{stored} checkpoints load into dense models only: kestrel's 4-bit GEMM serves linear "
-                         f"layers, not the routed experts of {cls.__name__}")
+    check_int4_family(model_class(hf.get("architectures") or []), stored)
