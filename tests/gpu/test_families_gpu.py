@@ -43,7 +43,7 @@ def test_greedy_on_cuda_matches_transformers(models, name, backend, rings, graph
     path, expected = models[name]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     with Engine(model=path, device="cuda", dtype="float32", attention_backend=backend, page_size=1,
-                chunked_prefill_size=8, disable_cuda_graph=not graphs, cuda_graph_max_bs=4,
+                chunked_prefill_size=8, disable_cuda_graph=not graphs, cuda_graph_max_bs=4, max_total_tokens=4096,
                 disable_window_rings=not rings) as engine:
         assert bool(engine.runner.cuda_graphs) == graphs
         cold = [o.token_ids for o in engine.generate(prompt_token_ids=PROMPTS, sampling_params=params)]

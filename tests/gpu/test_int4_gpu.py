@@ -3,6 +3,8 @@ the dequantised weight in float32 torch (the GEMM rounds x and the tile to bf16 
 multiplies in float32)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,7 +17,8 @@ from tests.unit.test_int4 import packed_weight
 @pytest.mark.parametrize("m", [1, 4, 16, 64, 300])
 def test_int4_gemm_on_cuda_equals_the_dequantised_weight(case, m):
     w, deq = packed_weight(case, 1024, 2048, seed=m)
-    w = type(w)(*(t.cuda() if isinstance(t, torch.Tensor) else t for t in w))
+    w = dataclasses.replace(w, **{f.name: getattr(w, f.name).cuda() for f in dataclasses.fields(w)
+                                 if isinstance(getattr(w, f.name), torch.Tensor)})
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(m, 2048, generator=gen).bfloat16()
     got = int4_gemm(x.cuda(), w.qweight, w.zeros, w.scales, w.perm, w.group_size).float().cpu()
