@@ -21,7 +21,8 @@ Three decisions, asked by the scheduler each step:
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 from kestrel.config import SchedulerConfig
 from kestrel.core.request import Request
@@ -83,6 +84,15 @@ class SchedulePolicy:
         """Prefill tokens of a prefill-only step that, with the decode step after it, fit in `seconds`."""
         alone = self.cost.predict(StepShape(decodes, context, 0))
         return self.cost.prefill_tokens_within(seconds - alone, 0, 0, prefix)
+
+    @contextlib.contextmanager
+    def uncapped(self) -> Iterator[None]:
+        """Prefill beside decodes takes whole chunks inside: for the start-up profile, there to time them."""
+        target, self.itl_target_s = self.itl_target_s, None
+        try:
+            yield
+        finally:
+            self.itl_target_s = target
 
     def gap_spent(self, shape: StepShape) -> float:
         """Seconds of the decodes' gap a prefill-only step of `shape` is predicted to take; before the

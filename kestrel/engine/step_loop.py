@@ -101,6 +101,7 @@ class StepLoop:
         start = self.clock()
         done: list[Request] = []
         batch: ScheduledBatch | None = None
+        ran = False  # a batch ran and the step did not fail: the step's time is the batch's
         if self.ranks is not None:
             self.ranks.check()
         if self.inflight is None:  # the loop may have been idle: nothing to time before now
@@ -122,13 +123,14 @@ class StepLoop:
             self.inflight = launched
             if launched is not None and self.config.scheduler.disable_overlap_schedule:
                 done += self._resolve()
+            ran = batch is not None
         except Exception as e:  # noqa: BLE001 - a failed step costs only its own requests
             if self.ranks is not None:  # ... except under tensor parallelism: see TPRanks
                 self._fail_step(batch, e)
                 raise self.ranks.fatal(e) from e
             done += self._fail_step(batch, e)
         seconds = self.clock() - start
-        if self._synchronous and self._timed and batch is not None and batch.mode is not ForwardMode.TARGET_VERIFY:
+        if self._synchronous and self._timed and ran and batch.mode is not ForwardMode.TARGET_VERIFY:
             self.scheduler.cost.observe(StepShape.of(batch), seconds)
         if batch is not None and self.hooks:
             info = StepInfo(batch.mode.value, batch.batch_size, batch.num_tokens, seconds,

@@ -26,7 +26,9 @@ STREAMS = 8
 STREAM_PROMPT = 64
 LONG_PROMPT = 20 * STREAM_PROMPT
 WARM_STEPS = 24  # decode steps before the long prompt arrives: the step-cost model has seen the streams' prefill
-TARGET_DECODE_STEPS = 6  # the ITL target: room for a decode step and a 64-token chunk (MIN_PREFILL_TOKENS) late in the prompt
+# The ITL target, in decode steps: room for a decode step and a 64-token chunk (MIN_PREFILL_TOKENS) late in
+# the prompt, when the chunk attends over a thousand earlier tokens.
+TARGET_DECODE_STEPS = 6
 # Identical steps differ by up to 25 % in CPU time on a shared 2-core machine (caches and cores shared with
 # other processes), which no prediction can know; the policy keeps a margin for its own errors, and this
 # leaves room for that noise. Without the target the gap is 8x the target: far outside it.
@@ -137,3 +139,12 @@ def test_each_cpu_step_is_timed_as_its_own_batch(model, one_thread):
     assert [(s.decodes, s.prefill_tokens) for s, _ in seen] == [(0, 600), (2, 0), (2, 0)]
     assert [t for _, t in seen] == times
     assert seen[0][1] > 3 * seen[1][1]  # the prefill's time is the prefill's
+
+
+def test_the_start_up_profile_times_whole_prompts_beside_decodes(model, one_thread):
+    """The profile is there to time large prefills: the ITL cap, which would cut them to 64-token chunks
+    beside its own decodes, is off while it runs, and on after."""
+    with Engine(model=model, device="cpu", dtype="float32", itl_target_ms=50.0, step_cost_profile_steps=8) as engine:
+        cost = engine.scheduler.cost
+        assert cost.fitted and cost.largest_prefill == 2048  # the profile's longest prompt, in one chunk
+        assert engine.scheduler.policy.itl_target_s == 0.05
