@@ -22,6 +22,10 @@
 #                   one-batch at batch 64 with 600-token prompts (ONE_BATCH_OUTPUT output tokens, default 300)
 #   tail            the serving workload against one server per variant in VARIANTS, with the server's own ITL
 #                   histogram; SWEEP="8 32 64": also a concurrency sweep with its plot on the first server
+#   slo             the serving workload (c64) against a server without --itl-target-ms and one per target in
+#                   SLO_TARGETS (default "20 30 50" ms); then on each, Poisson arrivals at 80 % of the first
+#                   server's measured request rate (SLO_POISSON_PROMPTS, default 200); a lone request's TTFT;
+#                   a table of output tok/s, ITL and TTFT median / p99 per variant (slo_table.txt)
 #   closed-loop     the serving workload in process (kestrel bench closed-loop), one engine per variant in VARIANTS
 #                   (PROMPTS, default 320)
 #   piecewise       lone 400- and 1000-token prefills eager and with piecewise CUDA graphs; the closed loop with
@@ -125,6 +129,43 @@ tail_variant() {  # tail_variant LABEL FLAGS: the serving workload against a fre
   stop_server
 }
 
+slo_variant() {  # slo_variant LABEL FLAGS: c64 and Poisson runs against a fresh server
+  start_server "$OUT/server_slo_$1.log" $2 || return 1
+  echo "== $1 (${2:-no target})"
+  grep -h "step-cost model" "$OUT/server_slo_$1.log" | tail -1
+  local workload="--random-input-len 1000 --random-output-len 500 --random-range-ratio 0.2 --vocab-size 128000"
+  timeout 200 python3 -m kestrel.cli bench serving --base-url http://127.0.0.1:30000 $workload \
+    --num-prompts "${SERVING_PROMPTS:-320}" --max-concurrency 64 --json "$OUT/slo_c64_$1.json" 2>&1 | tail -11
+  if [ -z "${slo_rate:-}" ]; then  # the first server's capacity sets the Poisson rate of every variant
+    slo_rate=$(python3 -c "import json; print(round(0.8 * json.load(open('$OUT/slo_c64_$1.json'))['request_per_s'], 2))")
+    echo "Poisson rate: $slo_rate requests/s (80 % of $1's)"
+    timeout 60 python3 -m kestrel.cli bench serving --base-url http://127.0.0.1:30000 $workload --num-prompts 8 \
+      --max-concurrency 1 --json "$OUT/slo_lone.json" 2>&1 | grep -i ttft
+  fi
+  timeout 200 python3 -m kestrel.cli bench serving --base-url http://127.0.0.1:30000 $workload \
+    --num-prompts "${SLO_POISSON_PROMPTS:-200}" --request-rate "$slo_rate" --json "$OUT/slo_poisson_$1.json" 2>&1 | tail -11
+  stop_server
+}
+
+slo_table() {  # the variants side by side, from their JSON
+  python3 - "$OUT" <<'PY' | tee "$OUT/slo_table.txt"
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+lone = json.loads((out / "slo_lone.json").read_text())["ttft_median_ms"] if (out / "slo_lone.json").exists() else None
+print(f"lone request TTFT median: {lone:.1f} ms" if lone else "lone request TTFT: not measured")
+print(f"{'variant':<10} {'run':<8} {'out tok/s':>9} {'ITL med':>8} {'ITL p99':>8} {'TTFT med':>9} {'TTFT p99':>9}")
+def variant_order(path):  # no target first, then the targets from the smallest
+    label = path.stem.split("_", 2)[2]
+    return label != "off", float(label[3:]) if label.startswith("itl") else 0.0
+for path in sorted(out.glob("slo_c64_*.json"), key=variant_order) + sorted(out.glob("slo_poisson_*.json"), key=variant_order):
+    r = json.loads(path.read_text())
+    run, label = path.stem.split("_", 2)[1:]
+    print(f"{label:<10} {run:<8} {r['output_tok_per_s']:>9.0f} {r['itl_median_ms']:>8.2f} {r['itl_p99_ms']:>8.2f} "
+          f"{r['ttft_median_ms']:>9.1f} {r['ttft_p99_ms']:>9.1f}")
+PY
+}
+
 run_stage() {
   case $1 in
     tests)
@@ -170,6 +211,12 @@ from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:
     tail)
       server_deps || return 1
       each_variant tail_variant ;;
+    slo)
+      server_deps || return 1
+      slo_rate=
+      slo_variant off ""
+      for target in ${SLO_TARGETS:-20 30 50}; do slo_variant "itl$target" "--itl-target-ms $target"; done
+      slo_table ;;
     closed-loop)
       each_variant closed_loop ;;
     piecewise)

@@ -9,6 +9,7 @@ import itertools
 import logging
 import numbers
 import random
+import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from typing import Any, Callable, Iterable
@@ -47,7 +48,10 @@ GRAMMAR_WAIT_S = 0.02
 class Engine:
     """`Engine(model=path, device="cpu", dtype="float32", **engine_options)`; see EngineConfig for options."""
 
-    def __init__(self, model: str | None = None, config: EngineConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None, *,
+                 clock: Callable[[], float] = time.perf_counter, **kwargs: Any) -> None:
+        """`clock`: the step clock, what step times (the step-cost model's, the step hooks') and queue
+        times are measured with."""
         if config is None:
             config = EngineConfig.from_flat(**({"model": model} if model else {}), **kwargs)
         elif model or kwargs:
@@ -98,7 +102,7 @@ class Engine:
         self.scheduler = Scheduler(sched, alloc, self.radix, self.kv_memory.req_to_token, self.eos_token_ids,
                                    self.kv_memory.max_req_len,
                                    recompute_last_match=draft is not None and draft.uses_features,
-                                   lora=parts.lora)
+                                   clock=clock, lora=parts.lora)
         self.lora = parts.lora
         self.sampler = Sampler(triton_argmax=triton_on_device(config))
         self._seed_rng = random.Random(sched.random_seed)
@@ -112,7 +116,7 @@ class Engine:
         self.spec_worker = create_worker(config, self.runner, draft, self.kv_memory, future_tokens,
                                          self.eos_token_ids)
         device_step = DeviceStep(self.runner, self.sampler, self.vocab_size, self.eos_token_ids, self.device)
-        self.loop = StepLoop(config, self.scheduler, device_step, self.spec_worker, self.ranks)
+        self.loop = StepLoop(config, self.scheduler, device_step, self.spec_worker, self.ranks, clock)
         if sched.step_cost_profile_steps:
             profile_step_cost(self, sched.step_cost_profile_steps)
 

@@ -11,21 +11,25 @@ Three decisions, asked by the scheduler each step:
   target itself would be too soon: a long prompt that cannot meet it anyway would then hold back the
   short ones that can.)
 - `prefill_budget`: how many prefill tokens this step may carry while requests decode, so that the
-  streams' next token is predicted (`StepCostModel`) to come within the ITL target. Without a target,
-  and with nothing decoding, prefill takes the whole chunked_prefill_size.
+  streams' next token is predicted (`StepCostModel`) to come within the ITL target, less the model's
+  own error (`overrun`: how much longer than predicted the steps it sized took). Before the model is
+  fitted, a small chunk (MIN_PREFILL_TOKENS) per decode step; never more than the model trusts itself
+  to predict (`trusted_prefill_tokens`): the chunk grows as the model learns. Without a target, and
+  with nothing decoding, prefill takes the whole chunked_prefill_size.
 - `retraction_key` / `preemptible`: under KV pressure the least important requests go first; a request
   that cannot be admitted for memory may retract running requests of a strictly lower priority.
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 from kestrel.config import SchedulerConfig
 from kestrel.core.request import Request
 from kestrel.engine.step_cost import StepCostModel, StepShape
 
 # A step's prefill never gets fewer tokens than this (when it gets any), so that prefill progresses
-# even where the decodes alone take the whole ITL target.
+# even where the decodes alone take the whole ITL target; and the chunk an unfitted model allows.
 MIN_PREFILL_TOKENS = 64
 # Without a TTFT target, waiting ages a request as if the target were this.
 AGING_WITHOUT_TARGET_S = 2.0
@@ -52,21 +56,50 @@ class SchedulePolicy:
         return req.params.priority, 1, remaining_prefill(req), req.arrival
 
     # ---- prefill size -----------------------------------------------------------------------------
-    def prefill_budget(self, decodes: list[Request], mixed: bool, gap_spent_s: float) -> int | None:
-        """Prefill tokens this step may carry beside `decodes` (None: no cap). Mixed, the step itself must
-        stay within the target; otherwise the prefill steps since the decodes' last step (`gap_spent_s`)
-        and the decode step that follows share it, and 0 means: decode now."""
-        if not decodes or self.itl_target_s is None or not self.cost.fitted:
+    def prefill_budget(self, decodes: list[Request], mixed: bool, gap_spent_s: float,
+                       chunked: Request | None = None) -> int | None:
+        """Prefill tokens this step may carry beside `decodes` (None: no cap); `chunked` is the prompt
+        being chunked, which most likely takes them (its new tokens attend over its done part). Mixed,
+        the step itself must stay within the target; otherwise the prefill steps since the decodes' last
+        step (`gap_spent_s`) and the decode step that follows share it, and 0 means: decode now."""
+        if not decodes or self.itl_target_s is None:
             return None
+        if not self.cost.fitted:  # what prefill costs is not known yet: a small chunk, which teaches the model
+            return MIN_PREFILL_TOKENS if mixed or gap_spent_s == 0 else 0
         context = sum(r.seq_len for r in decodes)
-        alone = self.cost.predict(StepShape(len(decodes), context, 0))
-        target = self.itl_target_s
+        target = self.itl_target_s / self.cost.overrun
+        prefix = chunked.kv_len if chunked is not None else 0
         if mixed:
-            return max(MIN_PREFILL_TOKENS, self.cost.prefill_tokens_within(target, len(decodes), context))
-        tokens = self.cost.prefill_tokens_within(target - alone - gap_spent_s, 0, 0)
-        if tokens >= MIN_PREFILL_TOKENS:
-            return tokens
-        return MIN_PREFILL_TOKENS if gap_spent_s == 0 else 0
+            tokens = self.cost.prefill_tokens_within(target, len(decodes), context, prefix)
+        else:
+            tokens = self._within_gap(target - gap_spent_s, len(decodes), context, prefix)
+            if chunked is not None and tokens >= chunked.seq_len - prefix:
+                # Its last chunk: the decode step that follows carries it too.
+                tokens = self._within_gap(target - gap_spent_s, len(decodes) + 1, context + chunked.seq_len, prefix)
+            if tokens < MIN_PREFILL_TOKENS and gap_spent_s > 0:
+                return 0
+        return max(MIN_PREFILL_TOKENS, min(tokens, self.cost.trusted_prefill_tokens))
+
+    def _within_gap(self, seconds: float, decodes: int, context: int, prefix: int) -> int:
+        """Prefill tokens of a prefill-only step that, with the decode step after it, fit in `seconds`."""
+        alone = self.cost.predict(StepShape(decodes, context, 0))
+        return self.cost.prefill_tokens_within(seconds - alone, 0, 0, prefix)
+
+    @contextlib.contextmanager
+    def uncapped(self) -> Iterator[None]:
+        """Prefill beside decodes takes whole chunks inside: for the start-up profile, there to time them."""
+        target, self.itl_target_s = self.itl_target_s, None
+        try:
+            yield
+        finally:
+            self.itl_target_s = target
+
+    def gap_spent(self, shape: StepShape) -> float:
+        """Seconds of the decodes' gap a prefill-only step of `shape` is predicted to take; before the
+        model is fitted, all of it (the decodes step next)."""
+        if self.itl_target_s is None:
+            return 0.0
+        return self.cost.predict(shape) if self.cost.fitted else self.itl_target_s
 
     # ---- memory pressure --------------------------------------------------------------------------
     @staticmethod

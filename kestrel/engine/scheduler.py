@@ -149,11 +149,12 @@ class Scheduler:
         if suspect is not None:
             return self._batch(ForwardMode.EXTEND, [suspect], 1)
         mixed = self.config.enable_mixed_chunk and decode_tokens == 1
-        prefill = self._schedule_prefill(budget=self.policy.prefill_budget(self.running, mixed, self._gap_spent))
+        budget = self.policy.prefill_budget(self.running, mixed, self._gap_spent, self.chunked)
+        prefill = self._schedule_prefill(budget=budget)
         if prefill and not (mixed and self.running):
             batch = self._batch(ForwardMode.EXTEND, prefill, len(prefill))
-            if self.running and self.cost.fitted:  # the decodes wait for this step: it eats into their gap
-                self._gap_spent += self.cost.predict(StepShape.of(batch))
+            if self.running:  # the decodes wait for this step: it eats into their gap
+                self._gap_spent += self.policy.gap_spent(StepShape.of(batch))
             return batch
         self._gap_spent = 0.0
         decode = self._schedule_decode(protected=prefill, tokens=decode_tokens)

@@ -1,17 +1,32 @@
 """What a step costs: its time as a linear function of its shape, fitted from the engine's own steps.
 
     seconds = base + per_decode x decodes + per_kv x context_tokens / 1024 + per_prefill x prefill_tokens / 1024
+              + per_prefill_attention x prefill_pairs / 2**20
 
 `decodes` are the step's decoding requests, `context_tokens` the KV their attention reads,
-`prefill_tokens` the step's new prompt tokens (their attention over the prompt's earlier chunks is
-folded into their weight: counting it as context would make the two features move together). The fit is least squares
-over every observed step, older steps weighing less (FORGETTING per step), so that the model follows
-the machine (warm caches, CUDA graphs, clocks). A weak ridge pulls toward the previous fit, which keeps
-the 4x4 system solvable before the steps have varied in every feature. The scheduler asks it only once
-it has seen MIN_OBSERVATIONS steps; before that, nothing is capped.
+`prefill_tokens` the step's new prompt tokens and `prefill_pairs` the (query, key) pairs of their
+attention: a chunk of c tokens after p earlier ones has c x (p + (c + 1) / 2). Without the pairs a
+long prompt's later chunks, which attend over all the earlier ones, take longer than the model says
+(on the CPU, 20 % more at the end of a 1280-token prompt). A weight per prefilled request was tried
+and left out: fitted from the few prefill steps seen early, it made the chunk's weights less certain
+and the predicted chunks larger than they turned out.
+The fit is least squares over every observed step with non-negative weights (no feature makes a step
+faster), older steps weighing less (FORGETTING per step), so that the model follows the machine (warm
+caches, CUDA graphs, clocks). A weak ridge pulls toward the previous fit, which keeps the system
+solvable before the steps have varied in every feature.
+
+The weights are solved under the constraint, not clipped after an unconstrained solve: served steps
+vary little at first (decode steps of one batch size, one prefill), and a clipped solve of such steps
+puts a prefill's time on `base` and then predicts every decode step at the prefill's time. A linear
+model is trusted only near what it has seen: `trusted_prefill_tokens` is GROWTH times the largest
+prefill of one request it has observed, so a chunk sized from it grows step by step as it learns. And
+it knows how wrong it is: `overrun` is the largest ratio of measured to predicted time over the last
+OVERRUN_WINDOW steps that prefilled (those a target sizes), starting from OVERRUN_PRIOR, never below 1.
 """
 from __future__ import annotations
 
+import itertools
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +37,13 @@ FORGETTING = 0.995  # weight of a step 140 steps old: 1/2
 MIN_OBSERVATIONS = 8
 REFIT_EVERY = 4  # steps between two solves: the coefficients move slowly, the solve is not free
 RIDGE = 1e-6
-FEATURES = ("base", "per_decode", "per_1k_context", "per_1k_prefill")
+RIDGE_FLOOR = 1e-12  # for features no step has had yet: their weights stay where they were
+GROWTH = 2
+OVERRUN_PRIOR = 1.3  # until OVERRUN_WINDOW steps have been predicted: early CPU steps err by up to 25 %
+OVERRUN_WINDOW = 32
+FEATURES = ("base", "per_decode", "per_1k_context", "per_1k_prefill", "per_1m_prefill_pairs")
+# Every subset of the features that may have non-zero weights, for the non-negative solve.
+SUPPORTS = [list(s) for n in range(1, len(FEATURES) + 1) for s in itertools.combinations(range(len(FEATURES)), n)]
 
 
 @dataclass(frozen=True)
@@ -30,15 +51,24 @@ class StepShape:
     decodes: int
     context_tokens: int
     prefill_tokens: int
+    prefill_pairs: int = 0
+    prefill_requests: int = 0  # the trust region counts per request (`trusted_prefill_tokens`)
 
     @classmethod
     def of(cls, batch: ScheduledBatch) -> "StepShape":
         n = batch.num_prefill
         context = sum(batch.prefix_lens[n:]) + sum(batch.extend_lens[n:])
-        return cls(batch.batch_size - n, context, sum(batch.extend_lens[:n]))
+        pairs = sum(prefill_pairs(c, p) for c, p in zip(batch.extend_lens[:n], batch.prefix_lens[:n]))
+        return cls(batch.batch_size - n, context, sum(batch.extend_lens[:n]), pairs, n)
 
     def features(self) -> np.ndarray:
-        return np.array([1.0, self.decodes, self.context_tokens / 1024, self.prefill_tokens / 1024])
+        return np.array([1.0, self.decodes, self.context_tokens / 1024, self.prefill_tokens / 1024,
+                         self.prefill_pairs / 2**20])
+
+
+def prefill_pairs(tokens: int, prefix: int) -> int:
+    """(query, key) pairs of causal attention of `tokens` new tokens after `prefix` earlier ones."""
+    return tokens * prefix + tokens * (tokens + 1) // 2
 
 
 class StepCostModel:
@@ -47,39 +77,76 @@ class StepCostModel:
 
     def reset(self) -> None:
         """Forget every step seen."""
-        self._gram = np.zeros((4, 4))
-        self._moment = np.zeros(4)
-        self.coef = np.zeros(4)
+        self._gram = np.zeros((len(FEATURES), len(FEATURES)))
+        self._moment = np.zeros(len(FEATURES))
+        self.coef = np.zeros(len(FEATURES))
         self.observations = 0
+        self.largest_prefill = 0  # tokens of the largest prefill of one request seen
+        self._overruns = deque([OVERRUN_PRIOR], maxlen=OVERRUN_WINDOW)
 
     @property
     def fitted(self) -> bool:
-        # A prefill coefficient of 0 would promise free prefill: not a model to size chunks with.
-        return self.observations >= MIN_OBSERVATIONS and self.coef[3] > 0
+        # Prefill weights of 0 would promise free prefill: not a model to size chunks with.
+        return self.observations >= MIN_OBSERVATIONS and (self.coef[3] > 0 or self.coef[4] > 0)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
+        if shape.prefill_tokens and self.fitted:
+            self._overruns.append(seconds / self.predict(shape))
         x = shape.features()
         self._gram = FORGETTING * self._gram + np.outer(x, x)
         self._moment = FORGETTING * self._moment + seconds * x
         self.observations += 1
-        if self.observations % REFIT_EVERY == 0 or self.observations == MIN_OBSERVATIONS:
+        per_request = shape.prefill_tokens // max(1, shape.prefill_requests)
+        larger = per_request > self.largest_prefill  # news the next chunk's size depends on
+        self.largest_prefill = max(self.largest_prefill, per_request)
+        if larger or self.observations % REFIT_EVERY == 0 or self.observations == MIN_OBSERVATIONS:
             self.refit()
 
     def refit(self) -> None:
-        ridge = RIDGE * max(1.0, float(np.trace(self._gram)))
-        coef = np.linalg.solve(self._gram + ridge * np.eye(4), self._moment + ridge * self.coef)
-        # No feature makes a step faster; a negative weight is noise of features that moved together.
-        self.coef = np.clip(coef, 0.0, None)
+        """Minimise the weighted squared error plus the ridge toward the previous fit, weights >= 0. The
+        problem is convex, so its optimum is the best of the unconstrained optima over the subsets of
+        free weights that come out non-negative (31 subsets of 5 features: small solves)."""
+        # Each feature's ridge is in its own scale: one ridge for all would be set by the largest feature
+        # (decodes, in the tens) and hold the small ones (prefill pairs / 2**20) at their previous weights.
+        ridge = RIDGE * np.diag(self._gram) + RIDGE_FLOOR
+        gram = self._gram + np.diag(ridge)
+        moment = self._moment + ridge * self.coef
+        best, best_value = np.zeros(len(FEATURES)), 0.0  # every weight 0: the objective's constant part
+        for support in SUPPORTS:
+            free = np.linalg.solve(gram[np.ix_(support, support)], moment[support])
+            value = -float(free @ moment[support])  # the quadratic's value at its optimum, less the constant
+            if free.min() >= 0 and value < best_value:
+                best, best_value = np.zeros(len(FEATURES)), value
+                best[support] = free
+        self.coef = best
 
     def predict(self, shape: StepShape) -> float:
         return float(shape.features() @ self.coef)
 
-    def prefill_tokens_within(self, seconds: float, decodes: int, context_tokens: int) -> int:
-        """The most prefill tokens a step of `decodes` decodes over `context_tokens` can carry in
-        `seconds`; 0 when the rest alone takes longer."""
-        rest = self.predict(StepShape(decodes, context_tokens, 0))
-        per_token = self.coef[3] / 1024
-        return max(0, int((seconds - rest) / per_token))
+    @property
+    def overrun(self) -> float:
+        """How much longer than predicted the recent prefill steps took, at most (>= 1)."""
+        return max(1.0, max(self._overruns))
+
+    @property
+    def trusted_prefill_tokens(self) -> int:
+        """The largest prefill of one request the model may size a step for: GROWTH times the largest
+        it has seen."""
+        return GROWTH * self.largest_prefill
+
+    def prefill_tokens_within(self, seconds: float, decodes: int, context_tokens: int, prefix: int = 0) -> int:
+        """The most prefill tokens of one request, after `prefix` earlier ones of its prompt, that a step
+        of `decodes` decodes over `context_tokens` is predicted to carry in `seconds`; 0 when the rest
+        alone takes longer. (The cost is a quadratic in the tokens: its positive root.)"""
+        spare = seconds - self.predict(StepShape(decodes, context_tokens, 0))
+        if spare <= 0:
+            return 0
+        per_pair = self.coef[4] / 2**20
+        linear = self.coef[3] / 1024 + per_pair * (prefix + 0.5)  # pairs: c x prefix + c (c + 1) / 2
+        quadratic = per_pair / 2
+        # The root written so that nothing cancels when the quadratic weight is (nearly) 0.
+        return int(2 * spare / (linear + np.sqrt(linear * linear + 4 * quadratic * spare)))
 
     def describe(self) -> str:
-        return ", ".join(f"{name}={value * 1e3:.4g}ms" for name, value in zip(FEATURES, self.coef))
+        weights = ", ".join(f"{name}={value * 1e3:.4g}ms" for name, value in zip(FEATURES, self.coef))
+        return f"{weights}; steps take up to {self.overrun:.2f}x the prediction"

@@ -63,12 +63,18 @@ class _Launched:
     pooled: pooling.PendingPooled | None = None
     prefill_only: list[Request] = dataclasses.field(default_factory=list)
     shape: StepShape | None = None  # what the step-cost model is told the batch's time was spent on
+    # For a timed batch that samples nothing (a prompt's middle chunk): marks its end on the device, so
+    # that its time is its own and not the next batch's.
+    done: "torch.cuda.Event | None" = None
 
 
 class StepLoop:
     def __init__(self, config: EngineConfig, scheduler: Scheduler, device_step: DeviceStep,
-                 spec_worker: SpeculativeWorker | None, ranks: TPRanks | None) -> None:
+                 spec_worker: SpeculativeWorker | None, ranks: TPRanks | None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """`clock`: what step times are measured with (the step-cost model's, the step hooks')."""
         self.config = config
+        self.clock = clock
         self.scheduler = scheduler
         self.device_step = device_step
         self.runner = device_step.runner
@@ -81,10 +87,9 @@ class StepLoop:
         # model, is what the streams see, from there to its own tokens (with overlap, the next batch's
         # host work is inside it, as it is inside the inter-token gap).
         self._last_tokens_at: float | None = None
-        # On the CPU a launch runs the forward before returning: the time up to a batch's tokens is then
-        # spent on the batch launched just before them (with overlap, the next one), not on their own.
+        # On the CPU a launch runs the forward before returning, and a step launches one batch: the
+        # batch's time is then its step's, from the step's start to its end.
         self._synchronous = self.runner.device.type == "cpu"
-        self._just_launched: StepShape | None = None
         # Only an ITL target reads the model: without one, no step's shape or time is recorded.
         self._timed = config.scheduler.itl_target_ms is not None
 
@@ -93,9 +98,10 @@ class StepLoop:
 
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that got a token or finished in this step, each once."""
-        start = time.perf_counter()
+        start = self.clock()
         done: list[Request] = []
         batch: ScheduledBatch | None = None
+        ran = False  # a batch ran and the step did not fail: the step's time is the batch's
         if self.ranks is not None:
             self.ranks.check()
         if self.inflight is None:  # the loop may have been idle: nothing to time before now
@@ -107,10 +113,9 @@ class StepLoop:
             launched = None
             if batch is not None and batch.mode is ForwardMode.TARGET_VERIFY:
                 done += self._verify(batch)  # resolved in the round itself; not a shape the model knows
-                self._last_tokens_at = time.perf_counter()
+                self._last_tokens_at = self.clock()
             elif batch is not None:
                 launched = self._launch(batch)
-                self._just_launched = StepShape.of(batch) if self._timed else None
             if self.inflight is not None:
                 done += self._resolve()
             if launched is not None and launched.forwarded is not None:
@@ -118,13 +123,17 @@ class StepLoop:
             self.inflight = launched
             if launched is not None and self.config.scheduler.disable_overlap_schedule:
                 done += self._resolve()
+            ran = batch is not None
         except Exception as e:  # noqa: BLE001 - a failed step costs only its own requests
             if self.ranks is not None:  # ... except under tensor parallelism: see TPRanks
                 self._fail_step(batch, e)
                 raise self.ranks.fatal(e) from e
             done += self._fail_step(batch, e)
+        seconds = self.clock() - start
+        if self._synchronous and self._timed and ran and batch.mode is not ForwardMode.TARGET_VERIFY:
+            self.scheduler.cost.observe(StepShape.of(batch), seconds)
         if batch is not None and self.hooks:
-            info = StepInfo(batch.mode.value, batch.batch_size, batch.num_tokens, time.perf_counter() - start,
+            info = StepInfo(batch.mode.value, batch.batch_size, batch.num_tokens, seconds,
                             sum(batch.extend_lens[:batch.num_prefill]))
             for hook in self.hooks:
                 hook(info)
@@ -186,7 +195,12 @@ class StepLoop:
         if prompt is not None or pooled is not None or prefill_only:
             launched = launched or _Launched([], [], None)
             launched.prompt, launched.pooled, launched.prefill_only = prompt, pooled, prefill_only
-        if launched is not None and self._timed:
+        if self._timed and not self._synchronous:  # timed when it resolves, as every batch in flight is
+            if launched is None:
+                launched = _Launched([], [], None)
+                launched.done = torch.cuda.Event() if self.runner.device.type == "cuda" else None
+                if launched.done is not None:
+                    launched.done.record()
             launched.shape = StepShape.of(batch)
         return launched
 
@@ -236,11 +250,12 @@ class StepLoop:
             if not req.finished:  # an aborted one was reported when it was aborted
                 self.scheduler.finish_if_done(req)
                 done.append(req)
-        now = time.perf_counter()
-        shape = self._just_launched if self._synchronous else launched.shape
-        if shape is not None and self._last_tokens_at is not None:
-            self.scheduler.cost.observe(shape, now - self._last_tokens_at)
-        self._last_tokens_at, self._just_launched = now, None
+        if launched.done is not None:
+            launched.done.synchronize()
+        now = self.clock()
+        if launched.shape is not None and self._last_tokens_at is not None:
+            self.scheduler.cost.observe(launched.shape, now - self._last_tokens_at)
+        self._last_tokens_at = now
         return done
 
     # ---- failure ---------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ import logging
 import random
 
 from kestrel.core.sampling_params import SamplingParams
-from kestrel.engine.step_cost import StepCostModel
 
 logger = logging.getLogger(__name__)
 
@@ -24,22 +23,28 @@ def profile_step_cost(engine, steps: int) -> None:
     longest = min(engine.max_req_len // 2, max(PROMPT_SIZES))
     sizes = [min(size, longest) for size in PROMPT_SIZES]
     rng = random.Random(0)
-    for keep in (False, True):
-        engine.scheduler.cost.reset()  # the warm-up run is forgotten
-        rids = []
-        params = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True, seed=0)
-        for step in range(steps):
-            if step < (steps + 1) // 2:
-                prompt = [rng.randrange(engine.vocab_size) for _ in range(sizes[step % len(sizes)])]
-                rids.append(engine.add_request(prompt_token_ids=prompt, sampling_params=params,
-                                               rid=f"step-cost-profile-{int(keep)}-{step}"))
-            engine.step()
-        for rid in rids:
-            engine.abort(rid)
-        while engine.has_work():
-            engine.step()
-        for rid in rids:
-            engine.pop(rid)
+    with engine.scheduler.policy.uncapped():  # the profile is there to time large prefills beside decodes
+        for keep in (False, True):
+            _profile_run(engine, steps, sizes, rng, keep)
     cost = engine.scheduler.cost
     cost.refit()
     logger.info("step-cost model from %d profile steps: %s", cost.observations, cost.describe())
+
+
+def _profile_run(engine, steps: int, sizes: list[int], rng: random.Random, keep: bool) -> None:
+    """One run of the profile's steps on a reset model (the last run is the one kept); `keep` names its requests."""
+    engine.scheduler.cost.reset()  # the warm-up run is forgotten
+    rids = []
+    params = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True, seed=0)
+    for step in range(steps):
+        if step < (steps + 1) // 2:
+            prompt = [rng.randrange(engine.vocab_size) for _ in range(sizes[step % len(sizes)])]
+            rids.append(engine.add_request(prompt_token_ids=prompt, sampling_params=params,
+                                           rid=f"step-cost-profile-{int(keep)}-{step}"))
+        engine.step()
+    for rid in rids:
+        engine.abort(rid)
+    while engine.has_work():
+        engine.step()
+    for rid in rids:
+        engine.pop(rid)
