@@ -72,7 +72,11 @@ start_server() {  # start_server LOG FLAGS...: a dummy-weight server on port 300
   shift
   python3 -m kestrel.cli serve $LLAMA --port 30000 "$@" > "$log" 2>&1 &
   server=$!
-  for _ in $(seq $SERVER_LOG_WAIT); do grep -q "ready on" "$log" && return 0; sleep 1; done
+  for _ in $(seq $SERVER_LOG_WAIT); do
+    grep -q "ready on" "$log" && return 0
+    kill -0 "$server" 2> /dev/null || break  # it died at start-up: no use waiting
+    sleep 1
+  done
   tail -30 "$log"
   stop_server
   return 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
@@ -28,7 +28,10 @@ from kestrel.server.metrics import CONTENT_TYPE
 from kestrel.server.state import ServerState
 
 logger = logging.getLogger(__name__)
-KESTREL_VERSION = version("kestrel")
+try:
+    KESTREL_VERSION = version("kestrel")
+except PackageNotFoundError:  # run from a source tree on PYTHONPATH, not installed
+    KESTREL_VERSION = "unknown"
 
 
 def needs_api_key(path: str) -> bool:
