@@ -53,9 +53,8 @@ def test_a_tensor_parallel_rank_serves_its_heads_over_the_whole_latent():
     case = make_case([3, 8], [2, 1], page_size=1)
     full = reference(case).view(-1, HEADS, V_DIM)
     rank_layer = MLAAttention(0, 2, NOPE, ROPE, V_DIM, RANK, case.layer.scaling, first_head=2)
-    where = rank_layer.checkpoint_slice("kv_b_proj", None)
-    with torch.no_grad():
-        rank_layer.kv_b_proj.copy_(case.layer.kv_b_proj.narrow(where.dim, where.start, where.length))
+    # The rank's loader keeps its heads' rows of the whole checkpoint tensor.
+    assert rank_layer.tensor_loader().load("kv_b_proj.weight", lambda: case.layer.kv_b_proj.detach()) == ["kv_b_proj"]
     case.batch.attn_backend = TorchNativeMLABackend(case.pools, case.req_to_token, name="torch_native")
     out = rank_layer(case.q_nope[:, 2:], case.q_rope[:, 2:], case.latent, case.k_rope, case.batch)
     torch.testing.assert_close(out.double().view(-1, 2, V_DIM), full[:, 2:], atol=1e-5, rtol=1e-5)
