@@ -48,7 +48,11 @@ class TorchNativeBackend:
             mask = causal_mask(prefix, extend, seq, layer.sliding_window, q.device)
             if batch.tree_mask is not None:
                 tree = batch.tree_mask[batch.tree_mask_starts[i]:][:extend * extend].view(extend, extend)
-                mask = torch.cat([torch.ones(extend, prefix, dtype=torch.bool, device=q.device), tree], dim=1)
+                seen = torch.ones(extend, prefix, dtype=torch.bool, device=q.device)
+                if layer.sliding_window is not None:  # a node sits at prefix + its depth
+                    q_pos = batch.positions[start:start + extend, None]
+                    seen = q_pos - torch.arange(prefix, device=q.device)[None, :] < layer.sliding_window
+                mask = torch.cat([seen, tree], dim=1)
             qi, ki, vi = qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0)
             if layer.sinks is not None:
                 ki, vi, mask = with_sinks(ki, vi, mask, layer.sinks, extend)

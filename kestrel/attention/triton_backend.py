@@ -91,7 +91,8 @@ class TritonBackend:
             extend_attention(q, k_buf, v_buf, out, table, batch.req_pool_indices, batch.prefix_lens,
                              batch.extend_lens, self._q_starts, batch.max_extend, layer.scaling,
                              layer.sliding_window, self.upcast, tree, batch.tree_mask_starts, kv.k_scale, kv.v_scale,
-                             block_m=16 if few else 64, num_splits=num_splits, sinks=layer.sinks, ring=ring or 0)
+                             block_m=16 if few else 64, num_splits=num_splits, sinks=layer.sinks, ring=ring or 0,
+                             positions=batch.positions)
         return out.view(-1, layer.num_heads * layer.head_dim)
 
     def _ring_sub_steps(self, q, k, v, k_buf, v_buf, out, kv, ring: int, layer: AttentionLayer,

@@ -61,11 +61,12 @@ def build_runner(config: EngineConfig, device: torch.device, parallel: ParallelS
     target_layout = model.kv_layout(kv_cache_dtype(config.cache.kv_cache_dtype, dtype), step_tokens)
     if target_layout.has_rings and config.cache.disable_window_rings:
         target_layout = target_layout.without_rings
-    if target_layout.has_rings and (spec.speculative_eagle_topk or 1) > 1:
-        # A tree's accepted path is moved into place per token; a ring's entries cannot be moved so.
-        raise ValueError(f"speculative trees (speculative_eagle_topk={spec.speculative_eagle_topk}) cannot run over "
-                         "this model's sliding-window rings; use a chain (speculative_eagle_topk 1) or "
-                         "--disable-window-rings")
+    if target_layout.has_rings and ((spec.speculative_eagle_topk or 1) > 1 or spec.speculative_algorithm == "NGRAM"):
+        # A tree's accepted path is moved into place per token; a ring's entries cannot be moved so. NGRAM
+        # pads a short chain with more children of the root: a tree whatever its topk.
+        raise ValueError(f"speculative trees ({spec.speculative_algorithm}, speculative_eagle_topk="
+                         f"{spec.speculative_eagle_topk}) cannot run over this model's sliding-window rings; use "
+                         "an EAGLE or STANDALONE chain (speculative_eagle_topk 1) or --disable-window-rings")
     layouts = [target_layout] + ([draft.kv_layout] if draft is not None else [])
     if layouts[0].prefix_cache_unsupported and not config.cache.disable_radix_cache:
         if parallel.is_driver:

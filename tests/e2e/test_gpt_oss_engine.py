@@ -63,10 +63,33 @@ def test_greedy_matches_transformers(tiny, prompts_and_expected, backend, rings)
         assert_pool_full(engine)
 
 
-def test_speculative_trees_over_rings_are_refused(tiny):
+@pytest.mark.parametrize("topk", [1, 2])
+def test_speculative_trees_over_rings_are_refused(tiny, topk):
     with pytest.raises(ValueError, match="speculative trees .* cannot run over this model's sliding-window rings"):
         Engine(model=str(tiny), device="cpu", dtype="float32", speculative_algorithm="NGRAM", speculative_num_steps=3,
-               speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+               speculative_eagle_topk=topk, speculative_num_draft_tokens=6)
+
+
+@pytest.mark.parametrize("backend, rings, spec", [
+    ("torch_native", True, dict(speculative_algorithm="STANDALONE", speculative_eagle_topk=1)),
+    ("torch_native", False, dict(speculative_algorithm="STANDALONE", speculative_eagle_topk=2)),
+    ("torch_native", False, dict(speculative_algorithm="NGRAM", speculative_eagle_topk=2)),
+    ("triton", False, dict(speculative_algorithm="STANDALONE", speculative_eagle_topk=2))])
+def test_speculative_greedy_across_windows_equals_plain_greedy(tiny, prompts_and_expected, backend, rings, spec):
+    """Chains over rings; trees over full K/V, where a node at depth d of a verify sits at prefix + d and its
+    window counts from there, not from its index in the tree. The model drafts for itself (STANDALONE):
+    every draft is accepted, so verify rounds cross the window boundaries."""
+    prompts, expected = prompts_and_expected
+    steps = NEW_TOKENS if backend == "torch_native" else WINDOW + 3
+    params = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
+    draft = dict(speculative_draft_model_path=str(tiny)) if spec["speculative_algorithm"] == "STANDALONE" else {}
+    with Engine(model=str(tiny), device="cpu", dtype="float32", attention_backend=backend, page_size=1,
+                disable_window_rings=not rings, speculative_num_steps=3,
+                speculative_num_draft_tokens=4 if spec["speculative_eagle_topk"] == 1 else 6, **spec, **draft) as engine:
+        n = 2 if backend == "torch_native" else 1  # the Triton interpreter is slow
+        outs = engine.generate(prompt_token_ids=prompts[:n], sampling_params=params)
+        assert [o.token_ids for o in outs] == [e[:steps] for e in expected[:n]]
+        assert sum(o.meta.get("spec_verify_ct", 0) for o in outs) > 0
 
 
 def test_triton_greedy_matches_transformers(tiny, prompts_and_expected):

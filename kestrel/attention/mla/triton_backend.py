@@ -59,5 +59,6 @@ class TritonMLABackend(LatentAttentionBackend):
         tree = batch.tree_mask.view(torch.uint8) if batch.tree_mask is not None else None
         extend_attention(q, entries, entries, out, table, batch.req_pool_indices, batch.prefix_lens,
                          batch.extend_lens, self._q_starts, batch.max_extend, layer.scaling, None, self.upcast,
-                         tree, batch.tree_mask_starts, kv.latent_scale, kv.latent_scale, block_m=16, block_n=16)
+                         tree, batch.tree_mask_starts, kv.latent_scale, kv.latent_scale, block_m=16, block_n=16,
+                         positions=batch.positions)
         return project_output(out[..., :rank], layer)

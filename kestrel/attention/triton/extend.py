@@ -23,7 +23,7 @@ from kestrel.envs import triton_jit
 
 @triton_jit
 def _extend_kernel(
-    Q, K, V, O, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts, tree_mask, tree_starts,
+    Q, K, V, O, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts, tree_mask, tree_starts, Positions,
     mid_o, mid_lse, Sinks, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_row, stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, sm_scale, v_scale, window, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -52,7 +52,10 @@ def _extend_kernel(
                     mask=m_mask[:, None] & d_mask[None, :], other=0.0)
         if UPCAST:  # the interpreter computes bf16 wrong: work in float32 there
             q = q.to(tl.float32)
-        q_pos = prefix + offs_m
+        if TREE:  # a tree node sits at prefix + its depth, not at prefix + its index
+            q_pos = tl.load(Positions + q_start + offs_m, mask=m_mask, other=0).to(tl.int32)
+        else:
+            q_pos = prefix + offs_m
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -60,8 +63,9 @@ def _extend_kernel(
         # Keys up to the last query position of this block; earlier ones outside the window are skipped.
         end = prefix + tl.minimum(extend, (m_block + 1) * BLOCK_M)
         start = 0
-        if USE_WINDOW:
-            start = tl.maximum(prefix + m_block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        if USE_WINDOW:  # a tree's block may hold a node of any depth: from the root's window on
+            lowest = prefix if TREE else prefix + m_block * BLOCK_M
+            start = tl.maximum(lowest - window + 1, 0) // BLOCK_N * BLOCK_N
         if SPLIT:  # this program's share of the keys, in whole blocks
             chunk = tl.cdiv(tl.cdiv(end - start, num_splits), BLOCK_N) * BLOCK_N
             start = start + split * chunk
@@ -78,7 +82,10 @@ def _extend_kernel(
             else:
                 visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
             if USE_WINDOW:
-                visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
+                in_window = q_pos[:, None] - offs_n[None, :] < window
+                if TREE:  # among the new tokens the tree mask decides (a tree is shorter than a window)
+                    in_window = in_window | (offs_n[None, :] >= prefix)
+                visible = visible & in_window
             m_i, l_i, acc = attend_block(q, K, V, req_to_token, row, stride_row, kv_head, stride_kt, stride_kh,
                                          stride_vt, stride_vh, offs_n, n_mask, visible, offs_d, d_mask, m_i, l_i,
                                          acc, sm_scale, PRECISION, RING)
@@ -102,15 +109,19 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      sliding_window: int | None, upcast: bool, tree_mask: torch.Tensor | None = None,
                      tree_starts: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                      block_m: int = 64, block_n: int = 64, num_splits: int = 1,
-                     sinks: torch.Tensor | None = None, ring: int = 0) -> None:
+                     sinks: torch.Tensor | None = None, ring: int = 0,
+                     positions: torch.Tensor | None = None) -> None:
     """q/out: [T, num_heads, head_dim]; k_buf/v_buf: [slots, num_kv_heads, head_dim] (FP8 buffers store
     value / scale, dequantized in registers); lens per request; `tree_mask` / `tree_starts` as in
-    ForwardBatch (None: causal among the new tokens). `num_splits` > 1 splits each block's keys across
+    ForwardBatch (None: causal among the new tokens), with the new tokens' `positions` [T] (a node's is
+    prefix + its depth: what a sliding window measures from). `num_splits` > 1 splits each block's keys across
     that many programs (for few new tokens over a long prefix); it must not depend on lengths where a
     CUDA graph captures the call. `sinks`: float32 [num_heads] attention-sink logits (None: no sink).
     `ring` > 0: k_buf/v_buf are sliding-window rings of that length, flattened to [rows * ring, ...]
     (kestrel.attention.window_ring), read without `req_to_token`."""
     tree = tree_mask is not None
+    if tree and positions is None:
+        raise ValueError("a tree's extend needs the new tokens' positions")
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k_buf.shape[1]
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -122,6 +133,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     _extend_kernel[grid](
         q, k_buf, v_buf, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts,
         tree_mask if tree else q_starts, tree_starts if tree else q_starts,  # unused without a tree
+        positions if tree else q_starts,
         mid_o, mid_lse, sinks if sinks is not None else mid_lse, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), sm_scale * k_scale, v_scale, sliding_window or 0, num_splits,
