@@ -76,8 +76,11 @@ class ZmqEventPublisher:
         seq = 0
         while True:
             if self._replay is not None:
-                while self._replay.poll(0):
-                    self._answer_replay()
+                try:
+                    while self._replay.poll(0):
+                        self._answer_replay()
+                except Exception:  # noqa: BLE001 - a bad replay request must not stop publishing
+                    logger.exception("answering a KV-event replay request failed")
             try:
                 item = self._queue.get(timeout=POLL_S)
             except queue.Empty:

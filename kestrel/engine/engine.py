@@ -255,7 +255,7 @@ class Engine:
     def flush_cache(self) -> bool:
         """Drop every cached prefix (SGLang's /flush_cache); only while no request is queued or running.
         Returns whether it flushed."""
-        if self.has_work() or self._reqs:
+        if self.has_work() or self.radix.protected_size():
             return False
         self.radix.flush()
         if self.kv_events is not None:

@@ -48,9 +48,16 @@ class SchedulePolicy:
         now = self.clock()
         return sorted(candidates, key=lambda r: self._rank(r, now))
 
-    def _rank(self, req: Request, now: float) -> tuple:
+    def aged(self, req: Request) -> bool:
+        """Whether `req` has waited long enough to have gained a priority level."""
+        return self._levels(req, self.clock()) > 0
+
+    def _levels(self, req: Request, now: float) -> int:
         waited = now - req.queued_at if req.queued_at is not None else 0.0
-        levels = int(waited / (AGING_TARGETS * self.target_s))
+        return int(waited / (AGING_TARGETS * self.target_s))
+
+    def _rank(self, req: Request, now: float) -> tuple:
+        levels = self._levels(req, now)
         if levels or req.output_ids:
             return req.params.priority - levels, 0, req.arrival
         return req.params.priority, 1, remaining_prefill(req), req.arrival

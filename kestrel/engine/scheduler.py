@@ -210,7 +210,11 @@ class Scheduler:
                            >= self.config.max_running_requests or rows.available() == 0):
                 break
             if is_new and not self.kv.lora_fits(req):
-                continue  # every pool slot holds another running adapter: it waits for one to free up
+                # Every pool slot holds another running adapter: it waits for one to free up. Once it has
+                # aged, nothing new is admitted behind it, so the running adapters drain and free a slot.
+                if self.policy.aged(req):
+                    break
+                continue
             if is_new:
                 assert not req.pending, "a waiting request's sampled tokens are resolved before it is admitted"
                 cached_slots = self.kv.match(req)

@@ -176,3 +176,25 @@ def test_lora_refuses_what_it_cannot_serve(setup) -> None:
 
     with pytest.raises(ValueError, match="float or fp8 weights.*'awq'"):
         resolve_lora(LoRAConfig(enable_lora=True), "awq", 1)
+
+
+def test_an_adapter_waiting_for_a_slot_is_not_starved(setup) -> None:
+    """One slot; requests for "sql" keep arriving while one for "poet" waits. Once the "poet" request has aged
+    (the policy's aging: 4 x 2 s without a TTFT target), no new "sql" request is admitted before it, so the
+    slot drains and "poet" runs; before it has aged, later "sql" requests go ahead of it."""
+    base, adapters = setup
+    now = [0.0]
+    params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    with _engine(base, adapters, max_loras_per_batch=1, clock=lambda: now[0]) as engine:
+        engine.add_request(prompt_token_ids=[5, 6, 7], sampling_params=params, lora_name="sql")
+        engine.step()
+        poet = engine.add_request(prompt_token_ids=[8, 9, 10], sampling_params=params, lora_name="poet")
+        admitted_at = None
+        for step in range(60):
+            if step % 2 == 0:  # a steady stream of "sql" requests keeps the slot pinned
+                engine.add_request(prompt_token_ids=[11, step, 12], sampling_params=params, lora_name="sql")
+            now[0] += 0.5
+            engine.step()
+            if admitted_at is None and engine.request(poet).kv_len > 0:
+                admitted_at = now[0]
+        assert admitted_at is not None and 8.0 <= admitted_at <= 12.0, admitted_at
