@@ -35,6 +35,8 @@ class TritonBackend:
         self._q_starts: torch.Tensor | None = None
         self._num_splits = 1
         self._split_plan: SplitPlan | None = None
+        # Only window rings address an extend's tokens by request row and index (not by slot).
+        self._rings = pools.layout.has_rings
         self._token_rows: torch.Tensor | None = None  # an extend's tokens: their request's row
         self._token_index: torch.Tensor | None = None  # and their index in it (prefix + offset)
         self._sub_steps: dict[int, list] = {}  # sub-step size -> the sub-steps' device tensors
@@ -53,13 +55,15 @@ class TritonBackend:
                 self._split_plan = length_aware_plan(batch.seq_lens, kv_heads, self.decode_split)
         else:
             self._q_starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
+            self._sub_steps = {}
+            if not self._rings:
+                return
             # Device ops with a static output size: a captured verify or draft extend recomputes them.
             tokens = batch.out_cache_loc.shape[0]
             req = torch.repeat_interleave(torch.arange(batch.batch_size, device=batch.extend_lens.device),
                                           batch.extend_lens, output_size=tokens)
             self._token_rows = batch.req_pool_indices[req]
             self._token_index = batch.prefix_lens[req] + torch.arange(tokens, device=req.device) - self._q_starts[req]
-            self._sub_steps = {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                 batch: ForwardBatch) -> torch.Tensor:
