@@ -117,7 +117,7 @@ class TorchNativeBackend:
                 slots = ring_slots(row, key_pos, ring)
                 q_pos = torch.arange(first, first + n, device=q.device)[:, None]
                 mask = (key_pos[None, :] <= q_pos) & (q_pos - key_pos[None, :] < window)
-                if batch.tree_mask is not None:  # a verify (n == extend): the tree among the new tokens
+                if batch.tree_mask is not None:  # a verify chain (n == extend; trees are refused over rings)
                     tree = batch.tree_mask[batch.tree_mask_starts[i]:][:n * n].view(n, n)
                     mask = torch.cat([mask[:, :key_pos.numel() - n], tree], dim=1)
                 qi = q[start + offset:start + offset + n].transpose(0, 1).unsqueeze(0)

@@ -1,11 +1,12 @@
 """Sliding-window rings (`KVLayout.windowed_attention`) as the per-head-KV backends address them.
 
 A window layer's K/V buffers are [rows, ring, kv_heads, head_dim]; flattened to [rows * ring, ...] a
-request's key at index p (its position; a verify tree's node: prefix + node) has slot
+request's key at index p (its position; a verify chain's token: prefix + its index) has slot
 `row * ring + p % ring`, so the kernels that read slots through a table read a ring with that formula
 in place of the table. A step writes its new keys before its queries read, which a ring of
 `window + s - 1` entries allows for `s` new tokens per request (`sub_step_tokens`); a longer extend (a
-prefill chunk) runs as sub-steps of at most s tokens each, in order (`sub_steps`).
+prefill chunk) runs as sub-steps of at most s tokens each, in order (`sub_steps`). Verify trees are
+refused over rings (runner/build.py): accepting a branch would move entries a ring cannot move.
 """
 from __future__ import annotations
 

@@ -48,10 +48,6 @@ class LoRAPool:
         self._static_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.token_slots = self._static_slots
 
-    @property
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [*self.a.values(), *self.b.values()])
-
     # ---- adapters by name ----------------------------------------------------------------------
     def load(self, name: str, path: str) -> LoRAAdapter:
         """Read and check the adapter; LoRAAdapterError (a 400) leaves the pool as it was."""

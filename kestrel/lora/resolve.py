@@ -10,7 +10,7 @@ from kestrel.lora.layers import PROJECTIONS
 
 DEFAULT_MAX_RANK = 16
 # Weight formats LoRA rides on: the base output is computed as usual and the delta added in the
-# activation dtype. int4 layers are not checked with adapters yet.
+# activation dtype. AWQ / GPTQ bases are refused: adapters over their layers were never checked.
 LORA_QUANTIZATIONS = (None, "fp8")
 
 

@@ -34,7 +34,7 @@ from kestrel.models.arch_config import ArchConfig, parse_arch_config
 from kestrel.models.base import CausalLM, StackedParams, fill_random
 from kestrel.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from kestrel.hf_config import read_hf_config
-from kestrel.models.loader import _default_dtype, checkpoint_names, checkpoint_tensor, copy_checkpoint
+from kestrel.models.loader import checkpoint_names, checkpoint_tensor, copy_checkpoint, default_dtype
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 _EAGLE3_MARKERS = ("midlayer.", "d2t", "layers.0.hidden_norm.")  # tensors only an EAGLE-3 head has
@@ -250,7 +250,7 @@ def load_eagle_head(path: str | Path, algorithm: str, target: TargetParts, num_t
     config = read_hf_config(path)
     cfg = parse_arch_config(config)
     names = set(checkpoint_names(path)) if load_format != "dummy" else set()
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         if variant == "EAGLE":
             head = EagleHead(cfg, target, fc_bias="fc.bias" in names, max_positions=max_positions, kernels=kernels)
         else:

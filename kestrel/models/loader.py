@@ -23,7 +23,7 @@ from kestrel.quant.int4 import INT4_METHODS, check_int4_family, int4_config
 from kestrel.quant.resolve import checkpoint_quantization
 
 # Buffers some checkpoints store that kestrel recomputes (rope frequencies).
-_HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
+HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
 
 TensorRead = Callable[[Slice | None], torch.Tensor]
 
@@ -59,7 +59,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
     config = hf_config if hf_config is not None else read_hf_config(str(model_path))
     cls = model_class(config.get("architectures") or [])
     cfg = cls.parse_config(config)
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         model = cls(cfg, kernels, parallel)
     if cls.loads_own_checkpoint and quantization is not None:
         raise ValueError(f"quantization {quantization!r} is not supported for {cls.__name__}")
@@ -75,7 +75,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
         return model.eval()
 
     def skip(name: str) -> bool:
-        return name.endswith(_HARMLESS_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight") \
+        return name.endswith(HARMLESS_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight") \
             or model.skips_checkpoint_tensor(name)
 
     # A format the family's expert loaders dequantise (gpt-oss's MXFP4) leaves the linears in float.
@@ -91,7 +91,6 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
         from kestrel.quant.linears import use_checkpoint_int4_linears
 
         check_int4_family(cls, stored)
-
         use_checkpoint_int4_linears(model, names, int4_config(config["quantization_config"]), kernels.triton_int4)
     copy_checkpoint(model, model_path, getattr(cfg, "architecture", cls.__name__), cls.stacked_params, skip, model.checkpoint_name,
                     hf_config=config)
@@ -196,7 +195,7 @@ def _counted(tensors: Iterator[tuple[str, torch.Tensor]], bar) -> Iterator[tuple
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

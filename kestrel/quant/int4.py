@@ -42,11 +42,6 @@ class Int4Config:
     desc_act: bool = False  # GPTQ act-order: g_idx is not k // group_size
     zero_offset: int = 0  # added to every stored zero point (GPTQ v1: 1)
 
-    @property
-    def checkpoint_tensors(self) -> tuple[str, ...]:
-        """The tensors of one quantized linear layer, beside its optional bias."""
-        return ("qweight", "qzeros", "scales", "g_idx") if self.method == "gptq" else ("qweight", "qzeros", "scales")
-
 
 def int4_config(qc: dict[str, Any]) -> Int4Config:
     """An AWQ / GPTQ `quantization_config` -> Int4Config; ValueError naming what kestrel does not load."""

@@ -57,7 +57,7 @@ def build_runner(config: EngineConfig, device: torch.device, parallel: ParallelS
     # A verify step's new tokens, all written before acceptance rolls some back.
     step_tokens = (spec.speculative_num_draft_tokens or 1) if spec.speculative_algorithm else 1
     # A draft head's KV stays in the model dtype: its pool is small, and FP8 there would cost acceptance.
-    # NEXTN's (DeepSeek-V4's MTP layer) follows the target's: one entry per slot grows with the tokens.
+    # A NEXTN draft's (the MTP layer's) follows the target's: one entry per slot grows with the tokens.
     target_layout = model.kv_layout(kv_cache_dtype(config.cache.kv_cache_dtype, dtype), step_tokens)
     if target_layout.has_rings and config.cache.disable_window_rings:
         target_layout = target_layout.without_rings

@@ -34,12 +34,11 @@ from kestrel.models.base import FeatureDraft, fill_random
 from kestrel.models.deepseek_v3.config import V3Config
 from kestrel.models.deepseek_v3.model import DeepseekV3ForCausalLM, V3DecoderLayer
 from kestrel.models.llama_eagle import TargetParts
-from kestrel.models.loader import _default_dtype, checkpoint_names, copy_checkpoint
+from kestrel.models.loader import HARMLESS_SUFFIXES, checkpoint_names, copy_checkpoint, default_dtype
 from kestrel.quant.resolve import checkpoint_quantization
 
 # The MTP layer's copies of what it shares with the target (names after its layer prefix).
 _SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
-_HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class SharedHead(nn.Module):
@@ -61,7 +60,7 @@ class V3MTPLayer(V3DecoderLayer):
         d = cfg.hidden_size
         self.enorm = RMSNorm(d, cfg.rms_norm_eps, use_triton=kernels.triton_elementwise)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps, use_triton=kernels.triton_elementwise)
-        self.eh_proj = nn.Linear(2 * d, d, bias=False)  # whole on every rank: the features are
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)  # replicated on every rank, as the features it reads are
         self.shared_head = SharedHead(cfg, kernels)
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
@@ -106,7 +105,7 @@ def load_v3_mtp_draft(path: str | Path, target: DeepseekV3ForCausalLM, hf_config
     cfg: V3Config = target.config
     if not cfg.num_nextn_predict_layers:
         raise ValueError(f"the checkpoint at {path} has no MTP layer (num_nextn_predict_layers is 0)")
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         draft = V3MTPDraft(cfg, TargetParts.of(target), kernels, target.parallel)
     if load_format == "dummy":
         fill_random(draft)
@@ -120,7 +119,7 @@ def load_v3_mtp_draft(path: str | Path, target: DeepseekV3ForCausalLM, hf_config
 
     def skip(name: str) -> bool:
         m = layer.match(name)
-        return m is None or name[m.end():] in _SHARED_COPIES or name.endswith(_HARMLESS_SUFFIXES)
+        return m is None or name[m.end():] in _SHARED_COPIES or name.endswith(HARMLESS_SUFFIXES)
 
     def rename(name: str) -> str:
         return target.checkpoint_name(layer.sub("mtp.", name))
