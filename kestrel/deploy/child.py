@@ -70,7 +70,7 @@ class Child:
                 pass
 
     def terminate(self) -> None:
-        if self.exited() is None:
+        if self.proc is not None and self.proc.poll() is None:  # started and still running
             self.proc.send_signal(signal.SIGTERM)
 
     def wait(self, deadline: float) -> None:

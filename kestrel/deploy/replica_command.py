@@ -22,6 +22,8 @@ def config_flags(config: EngineConfig) -> list[str]:
             continue
         if value is True:
             flags.append(_flag(name))
+        elif isinstance(value, (list, tuple)):  # a flag of several values (--lora-paths A=P B=Q)
+            flags += [_flag(name), *map(str, value)]
         else:
             flags += [_flag(name), str(value)]
     return flags

@@ -12,14 +12,16 @@ from kestrel.deploy.replica_command import replica_command
 
 def test_replica_command_gives_back_the_options_with_its_own_port():
     config = EngineConfig.from_flat(model="demo", device="cpu", dp_size=3, tp_size=2, port=31000, page_size=16,
-                                    disable_radix_cache=True, api_key="k", ttft_target_ms=250.0)
+                                    disable_radix_cache=True, api_key="k", ttft_target_ms=250.0, enable_lora=True,
+                                    lora_paths=("a=/x", "b=/y"))
     command = replica_command(config, ["a", "b"], 31002)
     assert command[1:4] == ["-m", "kestrel.cli", "serve"]
     args = build_parser().parse_args(command[3:])
     replica = config_from_args(args)
     assert replica.parallel.dp_size == 1 and replica.server.port == 31002
     expected = EngineConfig.from_flat(model="demo", device="cpu", tp_size=2, port=31002, page_size=16,
-                                      disable_radix_cache=True, api_key="k", ttft_target_ms=250.0)
+                                      disable_radix_cache=True, api_key="k", ttft_target_ms=250.0, enable_lora=True,
+                                      lora_paths=["a=/x", "b=/y"])  # as the command line gives it back
     assert replica == expected
     assert args.served_model_name == ["a", "b"]
 
@@ -48,3 +50,18 @@ def test_dp_size_with_several_nodes_is_refused():
     with pytest.raises(ValueError, match="dp_size > 1 with nnodes > 1"):
         resolve_config(EngineConfig.from_flat(model="demo", device="cpu", dp_size=2, tp_size=2, nnodes=2,
                                               dist_init_addr="10.0.0.1:5000"))
+
+
+def test_a_replica_that_exits_before_it_is_ready_stops_the_group_cleanly():
+    """The gateway never started; the other replica, still running, is stopped (no traceback, status 1)."""
+    import sys
+
+    from kestrel.deploy.child import Child
+    from kestrel.deploy.dp_launch import DataParallelGroup
+
+    env = dict(__import__("os").environ)
+    failing = Child("replica 0", [sys.executable, "-c", "raise SystemExit(3)"], env, "http://127.0.0.1:9/readiness")
+    slow = Child("replica 1", [sys.executable, "-c", "import time; time.sleep(60)"], env, "http://127.0.0.1:9/readiness")
+    gateway = Child("gateway", [sys.executable, "-c", "pass"], env, "http://127.0.0.1:9/readiness")
+    assert DataParallelGroup([failing, slow], gateway, "http://127.0.0.1:9", shutdown_timeout=5).run() == 1
+    assert gateway.proc is None and slow.exited() is not None
