@@ -12,9 +12,9 @@ so this adapter stands in its place instead (docs/deployment.md).
 from __future__ import annotations
 
 import dataclasses
-import signal
-import subprocess
+import os
 import time
+
 import httpx
 from ray import serve
 from ray.serve import Application
@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from kestrel.config import EngineConfig
+from kestrel.deploy.child import Child
 from kestrel.deploy.replica_command import replica_command
 from kestrel.server.launch import bind
 
@@ -37,20 +38,19 @@ class KestrelReplica:
         port = sock.getsockname()[1]
         sock.close()
         config = dataclasses.replace(config, server=dataclasses.replace(config.server, host="127.0.0.1"))
-        self.proc = subprocess.Popen(replica_command(config, served_model_names or (), port))
         self.url = f"http://127.0.0.1:{port}"
+        # Its own session and SIGTERM when this actor's process dies, however it dies (Ray kills actors
+        # without running finalizers): no server is left holding the GPU.
+        self.server = Child("kestrel serve", replica_command(config, served_model_names or (), port),
+                            dict(os.environ), f"{self.url}/health")
+        self.server.start()
         self.http = httpx.AsyncClient(base_url=self.url, timeout=None)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not self._healthy_now():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"kestrel serve did not start (exit status {self.proc.poll()}); see its log")
+        while not self.server.check_ready():
+            if self.server.exited() is not None or time.monotonic() > deadline:
+                self.server.terminate()
+                raise RuntimeError(f"kestrel serve did not start (exit status {self.server.exited()}); see its log")
             time.sleep(0.5)
-
-    def _healthy_now(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            return False
 
     async def __call__(self, request: Request) -> Response:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
@@ -64,19 +64,16 @@ class KestrelReplica:
     async def check_health(self) -> None:
         """Ray Serve's probe: a dead or unhealthy server (503: its engine is down or restarting) fails it,
         and Ray Serve replaces the replica."""
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"kestrel serve exited with status {self.proc.returncode}")
+        if (status := self.server.exited()) is not None:
+            raise RuntimeError(f"kestrel serve exited with status {status}")
         answer = await self.http.get("/health", timeout=10.0)
         if answer.status_code != 200:
             raise RuntimeError(f"kestrel serve /health answered {answer.status_code}")
 
     def __del__(self) -> None:
-        if getattr(self, "proc", None) is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        if getattr(self, "server", None) is not None:
+            self.server.terminate()
+            self.server.wait(time.monotonic() + 60)
 
 
 def _closing(answer: httpx.Response):
@@ -102,10 +99,17 @@ def build(args: dict[str, str]) -> Application:
     args = dict(args)
     num_replicas = int(args.pop("num_replicas", 1))
     num_gpus = float(args.pop("num_gpus", 1))
+    # Only the options of several values take a comma-separated list; any other value is one argument
+    # (a JSON --kv-events-config, --score-tokens yes,no).
+    several = {"served_model_name"} | {name for name, (_, field) in EngineConfig.options().items()
+                                       if str(field.type).startswith(("tuple", "list"))}
     argv = ["serve"]
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
-        argv += [flag] if value.lower() == "true" else [flag, *value.split(",")]
+        if value.lower() == "true":
+            argv.append(flag)
+        else:
+            argv += [flag, *(value.split(",") if key in several else [value])]
     parsed = build_parser().parse_args(argv)
     return deployment(config_from_args(parsed), num_replicas=num_replicas, num_gpus=num_gpus,
                       served_model_names=parsed.served_model_name)
