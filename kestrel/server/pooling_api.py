@@ -71,7 +71,7 @@ async def embeddings(state: ServerState, request: Request) -> Response:
     if any(isinstance(p, str) and not p for p in inputs):
         raise bad_request("input must not contain empty strings", "input")
     params = SamplingParams(max_new_tokens=0, priority=body.priority, pooling=embedder.params(body.dimensions))
-    choices = await _run(state, request, inputs, params, "input", body_bytes)
+    choices = await _run(state, request, inputs, params, "input", body_bytes, state.lora_of(body.model))
     data = [{"object": "embedding", "index": c.index, "embedding": _encoded(c.pooled, body.encoding_format)}
             for c in choices]
     tokens = sum(len(c.prompt_ids) for c in choices)
@@ -85,7 +85,7 @@ async def rerank(state: ServerState, request: Request) -> Response:
     model = state.check_model(body.model)
     texts = [_document_text(d, i) for i, d in enumerate(body.documents)]
     scores, tokens = await _scores(state, request, [body.query] * len(texts), texts, "documents", body_bytes,
-                                   body.priority)
+                                   body.priority, state.lora_of(body.model))
     order = sorted(range(len(texts)), key=lambda i: -scores[i])
     top = order if body.top_n is None or body.top_n == 0 else order[:body.top_n]
     results = [{"index": i, "relevance_score": scores[i]} | ({"document": {"text": texts[i]}}
@@ -106,7 +106,8 @@ async def score(state: ServerState, request: Request) -> Response:
     elif len(queries) != len(documents):
         raise bad_request(f"text_1 has {len(queries)} texts and text_2 {len(documents)}: give one text_1, or as "
                           "many as text_2 (scored in pairs)", "text_2")
-    scores, tokens = await _scores(state, request, queries, documents, "text_2", body_bytes, body.priority)
+    scores, tokens = await _scores(state, request, queries, documents, "text_2", body_bytes, body.priority,
+                                   state.lora_of(body.model))
     return JSONResponse({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                          "model": model, "data": [{"index": i, "object": "score", "score": s}
                                                   for i, s in enumerate(scores)],
@@ -120,8 +121,9 @@ def _usage(prompt_tokens: int) -> dict[str, int]:
 
 
 async def _scores(state: ServerState, request: Request, queries: list[str], documents: list[str], param: str,
-                  body_bytes: int, priority: int) -> tuple[list[float], int]:
-    """The probability of the "yes" token for each (query, document) pair, and the prompt tokens read."""
+                  body_bytes: int, priority: int, lora_name: str | None) -> tuple[list[float], int]:
+    """The probability of the "yes" token for each (query, document) pair, and the prompt tokens read (with
+    the LoRA adapter `lora_name`, None: the base model)."""
     scorer = state.scorer
     if scorer is None or scorer.token_ids is None:
         raise bad_request(scorer.unavailable if scorer is not None else "this model does not serve scores", "model")
@@ -129,20 +131,22 @@ async def _scores(state: ServerState, request: Request, queries: list[str], docu
         raise bad_request("documents must not be empty", param)
     prompts: list[str | list[int]] = [scorer.prompt(q, d) for q, d in zip(queries, documents)]
     params = SamplingParams(max_new_tokens=0, priority=priority, pooling=scorer.params())
-    choices = await _run(state, request, prompts, params, param, body_bytes)
+    choices = await _run(state, request, prompts, params, param, body_bytes, lora_name)
     return [c.pooled[0] for c in choices], sum(len(c.prompt_ids) for c in choices)
 
 
 async def _run(state: ServerState, request: Request, inputs: list[str | list[int]], params: SamplingParams,
-               param: str, body_bytes: int) -> list[Choice]:
-    """One prefill-only engine request per input, run to the end; their choices carry `pooled`."""
+               param: str, body_bytes: int, lora_name: str | None = None) -> list[Choice]:
+    """One prefill-only engine request per input (with the LoRA adapter `lora_name`), run to the end; their
+    choices carry `pooled`."""
     params = validated(params, state.client.info.vocab_size, {})
     ticket = state.admit(len(inputs), param)
     with ticket.released_on_error():
         prompts = await state.prompt_ids(ticket, inputs, param, body_bytes)
         if (bad := next((i for i, p in enumerate(prompts) if not p), None)) is not None:
             raise bad_request(f"{prompt_name(param, bad, len(prompts))} has no tokens", param)
-        gen = Generation(state.client, None, prompts, [params] * len(prompts), ticket, prompt_param=param)
+        gen = Generation(state.client, None, prompts, [params] * len(prompts), ticket, prompt_param=param,
+                         lora_name=lora_name)
     try:
         await gen.start()
         await until_disconnect(request.receive, gen.run())

@@ -15,6 +15,7 @@ Qwen3-Reranker's prompt format and tokens; `--score-template` and `--score-token
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,8 @@ class Scorer:
     unavailable: str | None = None  # why this model cannot score
 
     def prompt(self, query: str, document: str) -> str:
-        return self.template.replace("{query}", query).replace("{document}", document)
+        # One pass: a query holding "{document}" stays as it was written.
+        return re.sub(r"\{(query|document)\}", lambda m: query if m[1] == "query" else document, self.template)
 
     def params(self) -> PoolingParams:
         return PoolingParams("last", normalize=False, score_token_ids=self.token_ids)

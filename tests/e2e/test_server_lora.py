@@ -49,6 +49,15 @@ def test_adapters_served_loaded_and_refused(tmp_path) -> None:
         assert native.status_code == 200, native.text
         assert native.json()["output_ids"] == want_sql
 
+        # The pooling routes serve the adapter a request names too: the last position's final-normed hidden
+        # state, normalised, as peft's model computes it.
+        for name, adapter in ((BASE, None), ("sql", adapters["sql"])):
+            got = torch.tensor(client.embeddings.create(model=name, input=[PROMPT]).data[0].embedding)
+            with torch.no_grad():
+                hidden = peft_model(base, adapter)(input_ids=torch.tensor([PROMPT]), output_hidden_states=True)
+            want = torch.nn.functional.normalize(hidden.hidden_states[-1][0, -1].float(), dim=0)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
         with pytest.raises(openai.NotFoundError, match=r"'poet'.*'sql'"):
             tokens("poet")
         r = httpx.post(f"{srv.url}/generate", json={"input_ids": PROMPT, "lora_path": "poet"}, timeout=30)
