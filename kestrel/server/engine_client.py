@@ -291,6 +291,10 @@ class EngineClient:
         """`msg` could not be pickled for the engine: fail its request group, which the engine never saw."""
         logger.error("could not send %s to the engine process: %s: %s", type(msg).__name__, type(error).__name__,
                      error)
+        if (reply := self._commands.pop(getattr(msg, "id", None), None)) is not None and not reply.done():
+            reply.set_exception(APIError(500, f"the command could not be handed to the engine: "
+                                              f"{type(error).__name__}: {error}", code="internal_error"))
+            return
         if not isinstance(msg, AddRequests):
             return  # an abort: the request ends anyway, by its own finish or by the engine's shutdown
         group = self._groups.pop(msg.group, None)

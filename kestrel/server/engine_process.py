@@ -124,10 +124,7 @@ class EngineLoop:
                 elif isinstance(msg, LoRACommand):
                     self._lora(msg)
                 elif isinstance(msg, FlushCache):
-                    flushed = engine.flush_cache()  # refused while requests of this batch or earlier ones run
-                    self.outbox.send(FlushCacheReply(msg.id, flushed))
-                    if flushed:  # the cache's share of the KV pool is free now: stats say so at once
-                        self.stats_sent_idle = False
+                    self._flush(msg)
                 elif isinstance(msg, Shutdown):
                     return
                 else:
@@ -218,6 +215,18 @@ class EngineLoop:
             logger.exception("loading LoRA adapter %r failed", msg.name)
             error, status = f"loading the adapter failed: {type(e).__name__}: {e}", 500
         self.outbox.send(LoRAReply(msg.id, self.engine.lora_adapters(), error, status))
+
+    def _flush(self, msg: FlushCache) -> None:
+        """Drop the cached prefixes, refused while requests of this batch or earlier ones run; a failure
+        answers "not flushed" and the engine serves on."""
+        try:
+            flushed = self.engine.flush_cache()
+        except Exception:  # noqa: BLE001 - a flush that fails must not stop serving
+            logger.exception("flushing the prefix cache failed")
+            flushed = False
+        self.outbox.send(FlushCacheReply(msg.id, flushed))
+        if flushed:  # the cache's share of the KV pool is free now: stats say so at once
+            self.stats_sent_idle = False
 
     def _compiling(self, rid: str) -> bool:
         req = self.engine.request(rid)
