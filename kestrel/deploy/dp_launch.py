@@ -72,12 +72,15 @@ def serve_dp(config: EngineConfig, served_model_names: Sequence[str] = ()) -> in
         raise ValueError("--dp-size needs a fixed --port: the replicas listen on the ports after it")
     gpus = replica_gpus(dp, tp, config.device, envs.cuda_visible_devices(), _visible_gpu_count(config.device))
     near = _loopback(server.host)
+    # The replicas listen on the loopback only: clients reach them through the gateway, never around it.
+    loopback = "::1" if ":" in server.host else "127.0.0.1"
+    local = dataclasses.replace(config, server=dataclasses.replace(server, host=loopback))
     replicas = []
     for i, visible in enumerate(gpus):
         port = server.port + 1 + i
         env = dict(os.environ) if visible is None else {**os.environ, "CUDA_VISIBLE_DEVICES": visible}
-        replicas.append(Child(f"replica {i}", replica_command(config, served_model_names, port), env,
-                              f"{url(near, port)}/health"))
+        replicas.append(Child(f"replica {i}", replica_command(local, served_model_names, port), env,
+                              f"{url(loopback, port)}/health"))
     worker_urls = [r.ready_url.removesuffix("/health") for r in replicas]
     gateway = Child("gateway", gateway_command(server.host, server.port, server.port + dp + 1, worker_urls,
                                                log_level=server.log_level, shutdown_timeout=server.shutdown_timeout,
