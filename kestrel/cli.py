@@ -7,17 +7,13 @@ import logging
 import sys
 import typing
 
-from kestrel.config import SECTIONS, EngineConfig
+from kestrel.config import SECTIONS, EngineConfig, cli_flag
 from kestrel.config_resolve import resolve_config
 
 # --help lists the sections in this order, each under its name.
 SECTION_TITLES = {"model": "model", "cache": "KV cache", "scheduler": "scheduler", "attention": "attention",
                   "speculative": "speculative decoding", "cuda_graph": "CUDA graphs", "parallel": "parallelism",
                   "server": "server", "lora": "LoRA"}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _argparse_type(owner: type, field: dataclasses.Field) -> type:
@@ -35,7 +31,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> dict[str, argparse._Arg
               for sec, title in SECTION_TITLES.items()}
     for name, (section, field) in EngineConfig.options().items():
         group = groups[field.metadata["group"] or section]
-        names = [_flag(name)] + [_flag(alias) for alias in field.metadata["aliases"]]
+        names = [cli_flag(name)] + [cli_flag(alias) for alias in field.metadata["aliases"]]
         kind = _argparse_type(SECTIONS[section] if section else EngineConfig, field)
         if kind is bool:
             group.add_argument(*names, dest=name, action="store_true", help=field.metadata["help"])

@@ -32,6 +32,11 @@ def is_option(f: dataclasses.Field) -> bool:
     return "help" in f.metadata
 
 
+def cli_flag(name: str) -> str:
+    """The command-line flag of the option `name` (kestrel serve --max-running-requests)."""
+    return "--" + name.replace("_", "-")
+
+
 @dataclass(frozen=True)
 class BackendPair:
     """Canonical registry names of the attention backends of the two halves; never None."""

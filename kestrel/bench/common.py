@@ -99,7 +99,7 @@ def decode_read_bytes(model: torch.nn.Module, batch_size: int = 1) -> int:
     table that is not also the logits' weight, of which a step gathers one row per token (Llama-3.1-8B's
     untied table is 1.05 of its 16.06 GB), and of each MoE layer's routed experts only those the step is
     expected to hit (`expected_hit_experts`). weight_bytes counts everything whole: the convention of
-    round 1 and the issues' goals."""
+    the earlier figures and of the goals stated against them."""
     from kestrel.layers.moe.layer import MoE
     from kestrel.layers.vocab_parallel import VocabParallelEmbedding
 

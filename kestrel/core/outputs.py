@@ -37,7 +37,7 @@ class EngineStats:
     step_prefill_tokens: list[int] = field(default_factory=list)
     # Turns of the engine process's loop that stepped the engine (the engine process fills it): its
     # heartbeat, which the HTTP side's liveness check (/health) watches while requests are in flight.
-    num_steps: int = 0
+    loop_turns: int = 0
 
     @property
     def token_usage(self) -> float:

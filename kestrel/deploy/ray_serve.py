@@ -21,7 +21,7 @@ from ray.serve import Application
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from kestrel.config import EngineConfig
+from kestrel.config import EngineConfig, cli_flag
 from kestrel.deploy.child import Child
 from kestrel.deploy.replica_command import replica_command
 from kestrel.server.launch import bind
@@ -105,7 +105,7 @@ def build(args: dict[str, str]) -> Application:
                                        if str(field.type).startswith(("tuple", "list"))}
     argv = ["serve"]
     for key, value in args.items():
-        flag = "--" + key.replace("_", "-")
+        flag = cli_flag(key)
         if value.lower() == "true":
             argv.append(flag)
         else:

@@ -5,11 +5,7 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 
-from kestrel.config import EngineConfig
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+from kestrel.config import EngineConfig, cli_flag
 
 
 def config_flags(config: EngineConfig) -> list[str]:
@@ -21,11 +17,11 @@ def config_flags(config: EngineConfig) -> list[str]:
         if value == field.default:
             continue
         if value is True:
-            flags.append(_flag(name))
+            flags.append(cli_flag(name))
         elif isinstance(value, (list, tuple)):  # a flag of several values (--lora-paths A=P B=Q)
-            flags += [_flag(name), *map(str, value)]
+            flags += [cli_flag(name), *map(str, value)]
         else:
-            flags += [_flag(name), str(value)]
+            flags += [cli_flag(name), str(value)]
     return flags
 
 

@@ -3,9 +3,9 @@ API (OpenAI's, Anthropic's under /v1/messages).
 
 Open to all: /health and /ping (its SageMaker-style twin), /metrics (probes and scrapers, as vLLM keeps
 them), /version and /openapi.json. With --api-key, everything else needs `Authorization: Bearer KEY` (or
-`x-api-key: KEY`, which the anthropic client sends): /v1/*, /generate, /tokenize, /detokenize and
-/server_info (which names the model path and the engine's PID), and what a gateway reads or asks (/get_load,
-/model_info, /get_model_info, /flush_cache: gateway_api).
+`x-api-key: KEY`, which the anthropic client sends): /v1/*, /v2/*, /generate, /tokenize, /detokenize,
+/rerank, /score and /server_info (which names the model path and the engine's PID), and what a gateway reads
+or asks (/get_load, /model_info, /get_model_info, /flush_cache: gateway_api); `needs_api_key` lists them.
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 The answer's text goes through the reasoning parser (`--reasoning-parser`); what follows the reasoning
 goes through the tool-call reading (`ToolCallStream`) when the request has tools, else it is the
 content. With tools, the reasoning goes through a tool-call reading of its own too, whose calls join
-the answer's: a model that writes a call before it closes its thinking has made that call. The server feeds a `ChatOutput` the same text deltas whether the answer is streamed or not,
-so both read the same. Reasoning and content are stripped as `ToolCallStream` strips content: leading
+the answer's: a model that writes a call before it closes its thinking has made that call. The server
+feeds a `ChatOutput` the same text deltas whether the answer is streamed or not, so both read the same. Reasoning and content are stripped as `ToolCallStream` strips content: leading
 whitespace dropped, trailing whitespace held until text follows it.
 """
 from __future__ import annotations

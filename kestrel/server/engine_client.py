@@ -124,7 +124,7 @@ class EngineClient:
         # The engine loop's heartbeat: when it was last seen to advance, counted from readiness (the
         # model load and CUDA graph capture came before), and its step count then.
         self._progress_at = time.monotonic()
-        self._steps_seen = 0
+        self._turns_seen = 0
         self.stats = EngineStats(max_total_tokens=info.max_total_tokens)
         self.dead_reason: str | None = None
         self.on_dead: Callable[[], None] | None = None  # called once, after the in-flight requests were failed
@@ -349,8 +349,8 @@ class EngineClient:
         elif isinstance(msg, EngineFailed):  # a tensor-parallel rank died; the engine process exits now
             self._on_dead(msg.error)
         elif isinstance(msg, EngineStats):
-            if msg.num_steps != self._steps_seen:
-                self._steps_seen, self._progress_at = msg.num_steps, time.monotonic()
+            if msg.loop_turns != self._turns_seen:
+                self._turns_seen, self._progress_at = msg.loop_turns, time.monotonic()
             self.stats = msg
             self.metrics.on_stats(msg)
         else:

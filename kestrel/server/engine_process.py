@@ -84,7 +84,7 @@ class EngineLoop:
         self.compiling: dict[str, list[str]] = {}  # group -> its rids, while a grammar of it compiles
         self.rejected: list[str] = []  # aborted with their group's grammar: reported (and forgotten) next step
         self.step_prefill_tokens: list[int] = []  # of the steps since the last stats
-        self.num_steps = 0
+        self.loop_turns = 0
         engine.add_step_hook(self._on_step)
 
     def run(self) -> None:
@@ -134,7 +134,7 @@ class EngineLoop:
                 self.stats_sent_idle = False
             if self._step(touched):
                 self.stats_sent_idle = False
-            self.num_steps += 1
+            self.loop_turns += 1
             if time.monotonic() - self.last_stats >= STATS_INTERVAL_S:
                 self._send_stats()
 
@@ -275,7 +275,7 @@ class EngineLoop:
     def _send_stats(self) -> None:
         stats = self.engine.stats()
         stats.step_prefill_tokens, self.step_prefill_tokens = self.step_prefill_tokens, []
-        stats.num_steps = self.num_steps
+        stats.loop_turns = self.loop_turns
         self.outbox.send(stats)
         self.last_stats = time.monotonic()
 

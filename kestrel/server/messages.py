@@ -3,8 +3,8 @@
 HTTP → engine: `AddRequests`, `AbortRequests`, `LoRACommand`, `FlushCache`, `Shutdown`.
 Engine → HTTP: first exactly one of `EngineReady` / `EngineFailed`; then `Admission` (one per
 `AddRequests`, always before any output of its requests), `LoRAReply` (one per `LoRACommand`),
-`FlushCacheReply` (one per `FlushCache`), `StepOutput` (one per step that changed something) and `EngineStats` (when the engine goes idle, and
-periodically while busy).
+`FlushCacheReply` (one per `FlushCache`), `StepOutput` (one per step that changed something) and
+`EngineStats` (when the engine goes idle, and periodically while busy).
 
 Every request reports exactly one `TokenDelta` with `finished=True`, including aborted ones, after
 which the engine has forgotten it.

@@ -121,7 +121,6 @@ def test_a_long_prompt_keeps_the_streams_gaps_within_the_itl_target(model, one_t
     assert on.long_done_s <= 2.5 * off.long_done_s, report
 
 
-
 def test_each_cpu_step_is_timed_as_its_own_batch(model, one_thread):
     """On the CPU a step runs its batch's forward: the cost model gets that batch's shape and that step's
     time, the first one after idle included (it was lost, and its time put on the next batch)."""
