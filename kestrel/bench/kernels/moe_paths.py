@@ -1,0 +1,173 @@
+"""The MoE layer's routed paths (kestrel/layers/moe/paths.py) at decode sizes, for each family's real widths:
+every local expert on every token ("every"), the Triton grouped GEMM ("fused") and the hit-expert loop
+("loop", eager only: it reads the ids on the host). What sets EVERY_EXPERT_MAX: the most local experts at
+which "every" still beats "fused" in a decode graph.
+
+    python -m kestrel.bench.kernels.moe_paths           # CUDA, ~2 min; JSON to $OUT/moe_paths.json
+    TRITON_INTERPRET=1 python -m kestrel.bench.kernels.moe_paths --smoke   # the same code on CPU, tiny
+
+Families (their MoEConfig as kestrel parses kestrel/assets/configs/*/config.json, bf16):
+- qwen3-30b-a3b: hidden 2048, experts 768 wide, 128 experts, 8 per token, SiLU;
+- gpt-oss-20b: hidden 2880, experts 2880 wide with biases, 32 experts, 4 per token, gpt-oss's clamped SwiGLU
+  (MXFP4 checkpoints are dequantised to bf16 at load, so bf16 is what a step reads).
+T = 1, 4, 16, 64, 256 tokens, uniformly random routing. "every" and "fused" are timed eagerly (CUDA events
+from an idle device, median) and captured in a CUDA graph and replayed (what a decode step runs); "loop"
+eagerly. Floor: the bytes of the experts the step hits (distinct ids x one expert's bytes) over the
+measured copy bandwidth; `% floor` = floor / the faster graph. `maxdiff`: the largest |fused - loop|.
+The last table names, per family and T, the faster graphed path.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+import torch
+
+from kestrel.bench.common import copy_bandwidth, graph_ms, require_interpreter, run_budgeted, timed_ms, write_result
+from kestrel.layers.moe import MoE, MoEConfig
+from kestrel.layers.moe.paths import EVERY_EXPERT_MAX
+from kestrel.models.gpt_oss.config import parse_gpt_oss_config
+from kestrel.models.qwen3_moe import parse_qwen3_moe_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "assets/configs"
+FAMILIES = {"qwen3-30b-a3b": lambda c: parse_qwen3_moe_config(c).moe, "gpt-oss-20b": lambda c: parse_gpt_oss_config(c).moe}
+FULL = dict(device="cuda", dtype=torch.bfloat16, tokens=[1, 4, 16, 64, 256], iters=20, shrink=None)
+# Smoke: the families' routers and activations at toy widths and expert counts.
+SMOKE = dict(device="cpu", dtype=torch.float32, tokens=[1, 4], iters=1, shrink=dict(hidden=32, inter=16, experts=8))
+
+
+def family_config(name: str, shrink: dict | None) -> MoEConfig:
+    cfg = FAMILIES[name](json.loads((CONFIGS / name / "config.json").read_text()))
+    if shrink:
+        router = dataclasses.replace(cfg.router, num_experts=shrink["experts"],
+                                     top_k=min(cfg.router.top_k, shrink["experts"] // 2))
+        cfg = dataclasses.replace(cfg, hidden_size=shrink["hidden"], intermediate_size=shrink["inter"], router=router)
+    return cfg
+
+
+def build_layer(p: dict, cfg: MoEConfig) -> MoE:
+    """The layer at `cfg`, random weights (and expert biases), made in the bench dtype on the device."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(p["dtype"])
+    try:
+        with torch.device(p["device"]):
+            layer = MoE(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    gen = torch.Generator(p["device"]).manual_seed(cfg.num_experts)
+    with torch.no_grad():
+        for param in layer.experts.parameters():
+            param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
+    return layer
+
+
+def run_case(p: dict, layer: MoE, tokens: int, bandwidth: float | None) -> dict:
+    dev, cfg = torch.device(p["device"]), layer.cfg
+    experts, k = layer.experts.count, cfg.router.top_k
+    gen = torch.Generator(dev).manual_seed(tokens)
+    x = torch.randn(tokens, cfg.hidden_size, generator=gen, device=dev, dtype=p["dtype"])
+    ids = torch.rand(tokens, experts, generator=gen, device=dev).argsort(-1)[:, :k]
+    weights = torch.rand(tokens, k, generator=gen, device=dev)
+    routed = torch.zeros(tokens, cfg.hidden_size, device=dev)
+    hit = ids.unique().numel()
+    expert_bytes = sum(t[0].numel() * t.element_size() for t in layer.experts.parameters())
+    res = {"experts_hit": hit, "needed_MB": hit * expert_bytes / 1e6, "all_MB": experts * expert_bytes / 1e6}
+    if bandwidth:
+        res["floor_ms"] = hit * expert_bytes / bandwidth * 1e3
+    with torch.no_grad():
+        want, got = torch.zeros_like(routed), torch.zeros_like(routed)
+        layer.add_routed(x, ids, weights, want, "loop")
+        layer.add_routed(x, ids, weights, got, "fused")
+        res["maxdiff"] = (got - want).abs().max().item()
+        del want, got
+        for name in ("every", "fused", "loop"):
+            call = lambda name=name: layer.add_routed(x, ids, weights, routed, name)  # noqa: E731
+            res[f"{name}_ms"] = median(timed_ms(call, dev, p["iters"], warmup=2))
+            if name != "loop" and dev.type == "cuda":
+                res[f"{name}_graph_ms"] = median(graph_ms(call, dev, p["iters"]))
+                torch.cuda.empty_cache()  # the graph's pool
+    graphed = {name: res.get(f"{name}_graph_ms", res[f"{name}_ms"]) for name in ("every", "fused")}
+    res["faster_graphed"] = min(graphed, key=graphed.get)
+    if "floor_ms" in res:
+        res["pct_floor"] = 100 * res["floor_ms"] / min(graphed.values())
+    return res
+
+
+COLUMNS = ["experts_hit", "floor_ms", "every_ms", "every_graph_ms", "fused_ms", "fused_graph_ms", "loop_ms",
+           "pct_floor", "maxdiff", "faster_graphed"]
+
+
+def fmt(column: str, v) -> str:
+    if not isinstance(v, float):
+        return str(v)
+    if column == "maxdiff":
+        return f"{v:.1e}"
+    return f"{v:.0f}" if column == "pct_floor" else f"{v:.3f}"
+
+
+def print_table(res: dict) -> None:
+    print(f"\n== MoE routed paths: every expert vs fused grouped GEMM vs loop ({res['device']}, "
+          f"copy {res['copy_GBps'] or 0:.0f} GB/s, EVERY_EXPERT_MAX {res['every_expert_max']}) ==")
+    print(f"  {'case':<24}" + "".join(f"{c:>15}" for c in COLUMNS))
+    for label, row in res["cases"].items():
+        if isinstance(row, dict):
+            print(f"  {label:<24}" + "".join(f"{fmt(c, row.get(c, '-')):>15}" for c in COLUMNS))
+        else:
+            print(f"  {label:<24}  {row}")
+    print("\n== faster graphed path per family (local experts) and T ==")
+    for family, info in res["families"].items():
+        cells = [f"T{t} {res['cases'][f'{family} T{t}'].get('faster_graphed', '?')}"
+                 if isinstance(res["cases"].get(f"{family} T{t}"), dict) else f"T{t} -" for t in res["tokens"]]
+        print(f"  {family} (E{info['experts']}, k{info['top_k']}): " + ", ".join(cells))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1), tiny widths, fp32")
+    parser.add_argument("--budget-s", type=float, default=150, help="cases that would start past it are skipped")
+    parser.add_argument("--families", type=str, default=",".join(FAMILIES), help="comma-separated")
+    parser.add_argument("--tokens", type=str, default=None, help="token counts, e.g. 1,4,16,64,256")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        require_interpreter()
+    p = dict(SMOKE if args.smoke else FULL)
+    if args.tokens:
+        p["tokens"] = [int(v) for v in args.tokens.split(",")]
+    started = time.monotonic()
+    dev = torch.device(p["device"])
+    bandwidth = copy_bandwidth(dev)
+    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+           "dtype": str(p["dtype"]), "tokens": p["tokens"], "every_expert_max": EVERY_EXPERT_MAX,
+           "copy_GBps": bandwidth / 1e9 if bandwidth else None, "families": {}, "cases": {}}
+    for family in args.families.split(","):
+        cfg = family_config(family, p["shrink"])
+        res["families"][family] = {"hidden": cfg.hidden_size, "inter": cfg.intermediate_size,
+                                   "experts": cfg.num_experts, "top_k": cfg.router.top_k,
+                                   "activation": cfg.activation.kind, "expert_bias": cfg.expert_bias}
+        built: list[MoE] = []
+
+        def layer() -> MoE:  # built by the first case that runs: a failure to build is that case's
+            if not built:
+                built.append(build_layer(p, cfg))
+            return built[0]
+
+        for tokens in p["tokens"]:
+            run_budgeted(res["cases"], f"{family} T{tokens}", lambda: run_case(p, layer(), tokens, bandwidth),
+                         started, args.budget_s)
+        built.clear()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    res["wall_s"] = time.monotonic() - started
+    path = write_result(res, "moe_paths_smoke.json" if args.smoke else "moe_paths.json")
+    print_table(res)
+    print(f"  (total {res['wall_s']:.0f} s; JSON in {path})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
