@@ -226,3 +226,25 @@ def test_engine_from_args_builds_the_flags_engine_with_overrides(tiny_model):
     with engine_from_args(args, dtype="float32", max_running_requests=3) as engine:
         assert engine.config.scheduler.max_running_requests == 3 and engine.config.model.dtype == "float32"
     assert args.max_running_requests == 5  # the flags themselves are left as given
+
+
+@pytest.mark.parametrize("bench, result", [("moe_paths", "moe_paths_smoke.json"), ("mla_decode", "mla_decode_smoke.json"),
+                                           ("int4_gemm", "int4_gemm_smoke.json")])
+def test_kernel_benchmarks_run_their_smoke_mode_on_the_cpu(bench, result, tmp_path, monkeypatch):
+    """The GPU stages' kernel benchmarks, at toy widths through Triton's interpreter: every case timed and
+    each kernel's output against its reference."""
+    import importlib
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert importlib.import_module(f"kestrel.bench.kernels.{bench}").main(["--smoke"]) == 0
+    res = json.loads((tmp_path / result).read_text())
+    if bench == "int4_gemm":
+        rows = res["rows"]
+        assert rows and all("ms" in r and r["maxdiff"] < 1e-4 for r in rows)
+        assert {(b["shape"], b["M"]) for b in res["best"]} == {(r["shape"], r["M"]) for r in rows}
+    else:
+        cases = res["cases"].values()
+        assert cases and all(isinstance(c, dict) and c["maxdiff"] < 1e-4 for c in cases)
+    if bench == "moe_paths":
+        assert all(c["faster_graphed"] in ("every", "fused") and c["loop_ms"] > 0 for c in cases)
+        assert res["families"]["gpt-oss-20b"]["activation"] == "gpt_oss" and res["families"]["gpt-oss-20b"]["expert_bias"]
