@@ -40,6 +40,18 @@
 #   dsv4            the DeepSeek-V4 slice (bf16 and FP8 entries), its sparse attention alone, and the perplexity
 #                   comparison on demo's held-out files, which travel in heldout_texts/ (docs/benchmarks.md)
 #   dsv4-moe        DeepSeek-V4's routed experts: every expert, the grouped GEMM, the loop
+#   moe             Qwen3-30B-A3B and gpt-oss-20b (dummy weights; MOE_MODELS: a subset of "qwen3-30b-a3b
+#                   gpt-oss-20b"): one-batch decode at batch 1, 32, 128 against the floor of the experts a step
+#                   is expected to hit; offline MOE_PROMPTS (default 500) x 1024/512; a lone 8k prefill. < 9 min
+#   moe-paths       the MoE layer's routed paths (every, fused, loop) at both families' widths, T = 1 .. 256
+#                   tokens: what sets EVERY_EXPERT_MAX (kestrel.bench.kernels.moe_paths). < 3 min; one command
+#                   with `moe` may pass 10 min: run them as two
+#   mla             MLA decode attention alone at 32k context, batch 1 and 32, bf16 and FP8 pools, against the
+#                   latent-bytes floor (kestrel.bench.kernels.mla_decode); the deepseek-v3 slice's one-batch at
+#                   batch 1 and 32 and its lone 8k prefill. < 6 min
+#   int4            llama-3.1-8b-awq one-batch at batch 1 and 64 against its 4-bit floor, the bf16 8B beside it
+#                   (the ratio from one machine), and the W4A16 GEMM's config sweep at the 8B's projection shapes,
+#                   M = 1, 4, 16, 64 (kestrel.bench.kernels.int4_gemm). < 9 min
 #
 # VARIANTS: "label|engine or server flags" entries separated by ";", e.g. "default|;mixed|--enable-mixed-chunk".
 # Stages that start a server, and `tests` and `grammar`, need the server's pure-Python dependencies: where this
@@ -273,6 +285,35 @@ from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:
         --json "$OUT/perplexity.json" 2>&1 | grep -v INFO | tail -16 ;;
     dsv4-moe)
       timeout 170 python3 -m kestrel.bench.kernels.dsv4_moe --budget-s 150 2>&1 | tail -25 ;;
+    moe)
+      for model in ${MOE_MODELS:-qwen3-30b-a3b gpt-oss-20b}; do
+        local flags="--model kestrel/assets/configs/$model --load-format dummy --max-total-tokens 65536"
+        echo "== $model: one-batch at batch 1, 32, 128"
+        one_batch 110 "moe_${model}_decode" $flags --batch-size 1 32 128 --input-len 128 --output-len 64 \
+          --cuda-graph-max-bs 128
+        echo "== $model: offline ${MOE_PROMPTS:-500} x 1024/512"
+        timeout 110 python3 -m kestrel.cli bench offline $flags --num-prompts "${MOE_PROMPTS:-500}" \
+          --random-input-len 1024 --random-output-len 512 --random-range-ratio 1 \
+          --json "$OUT/moe_${model}_offline.json" 2>&1 | tail -10
+        echo "== $model: lone 8k prefill"
+        one_batch 50 "moe_${model}_prefill8k" $flags --batch-size 1 --input-len 8192 --output-len 4 \
+          --disable-cuda-graph | grep -iE "prefill|batch size"
+      done ;;
+    moe-paths)
+      timeout 170 python3 -m kestrel.bench.kernels.moe_paths --budget-s 150 2>&1 | tail -25 ;;
+    mla)
+      timeout 120 python3 -m kestrel.bench.kernels.mla_decode --budget-s 100 --splits 4,8,16 2>&1 | tail -16
+      local v3="--model kestrel/assets/configs/deepseek-v3-slice --load-format dummy --max-total-tokens 65536"
+      one_batch 150 mla_v3_slice_decode $v3 --batch-size 1 32 --input-len 128 --output-len 128 --cuda-graph-max-bs 32
+      one_batch 90 mla_v3_slice_prefill8k $v3 --batch-size 1 --input-len 8192 --output-len 4 --disable-cuda-graph \
+        | grep -iE "prefill|batch size" ;;
+    int4)
+      for model in llama-3.1-8b-awq llama-3.1-8b; do
+        echo "== $model: one-batch at batch 1 and 64"
+        one_batch 120 "int4_${model}" --model "kestrel/assets/configs/$model" --load-format dummy --batch-size 1 64 \
+          --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 64
+      done
+      timeout 270 python3 -m kestrel.bench.kernels.int4_gemm --budget-s 240 2>&1 | tail -24 ;;
     *)
       echo "gpu.sh: unknown stage '$1' (the list is at the top of scripts/gpu.sh)" >&2
       return 2 ;;
