@@ -133,7 +133,7 @@ def summary(rows: list[dict], shapes: dict, ms: list[int]) -> list[dict]:
 def print_summary(best: list[dict], ms: list[int]) -> None:
     def pct(v) -> str:
         return f"{v:.0f}" if isinstance(v, float) else "-"
-    print(f"\n== int4 GEMM: best config per (shape, M), % of the packed-bytes floor ==")
+    print("\n== int4 GEMM: best config per (shape, M), % of the packed-bytes floor ==")
     print(f"  {'shape':<8} {'M':>3} {'floor ms':>9} {'default ms':>10} {'%':>4} {'best ms':>8} {'%':>4}  best config")
     for b in best:
         floor = f"{b['floor_ms']:.4f}" if b["floor_ms"] else "-"
