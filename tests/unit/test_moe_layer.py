@@ -1,8 +1,8 @@
 """The shared MoE layer (kestrel/layers/moe) against transformers' own routers and experts: each router kind
 picks the same experts with the same weights; gpt-oss's experts (interleaved gate|up, transposed down,
 biases, its clamped SwiGLU) loaded through the layer's stacked layouts give transformers' output on all
-three paths (the grouped GEMM through Triton's interpreter); expert and tensor parallelism split the
-experts so that the ranks' partial sums add up to one rank's."""
+four paths (the grouped GEMM and the GEMVs through Triton's interpreter); expert and tensor parallelism
+split the experts so that the ranks' partial sums add up to one rank's."""
 from __future__ import annotations
 
 import pytest
@@ -87,7 +87,7 @@ def _gpt_oss_layer(hf, parallel: ParallelState = ParallelState()) -> MoE:
     return layer
 
 
-@pytest.mark.parametrize("path", ["loop", "every", "fused"])
+@pytest.mark.parametrize("path", ["loop", "every", "fused", "gemv"])
 def test_gpt_oss_experts_through_the_layer_equal_transformers(path):
     pytest.importorskip("triton")
     hf = _gpt_oss_experts()

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's routed experts alone, the MoE layer's three paths (kestrel/layers/moe/paths.py): every local
+"""DeepSeek-V4's routed experts alone, three of the MoE layer's paths (kestrel/layers/moe/paths.py): every local
 expert on every token ("every", the decode graphs' path up to EVERY_EXPERT_MAX local experts), the Triton
 grouped GEMM ("fused", fused_moe.py: the graphs' path above it, and eager on CUDA) and the hit-expert loop
 ("loop", eager only: it reads the ids on the host).

@@ -1,7 +1,8 @@
 """The MoE layer's routed paths (kestrel/layers/moe/paths.py) at decode sizes, for each family's real widths:
-every local expert on every token ("every"), the Triton grouped GEMM ("fused") and the hit-expert loop
-("loop", eager only: it reads the ids on the host). What sets EVERY_EXPERT_MAX: the most local experts at
-which "every" still beats "fused" in a decode graph.
+every local expert on every token ("every"), the Triton grouped GEMM ("fused"), the Triton per-assignment
+GEMVs ("gemv") and the hit-expert loop ("loop", eager only: it reads the ids on the host). What sets
+EVERY_EXPERT_MAX (the most local experts at which "every" still beats "fused" in a decode graph) and whether
+"gemv" should serve decode's small batches (up to which T).
 
     python -m kestrel.bench.kernels.moe_paths           # CUDA, ~2 min; JSON to $OUT/moe_paths.json
     TRITON_INTERPRET=1 python -m kestrel.bench.kernels.moe_paths --smoke   # the same code on CPU, tiny
@@ -10,11 +11,11 @@ Families (their MoEConfig as kestrel parses kestrel/assets/configs/*/config.json
 - qwen3-30b-a3b: hidden 2048, experts 768 wide, 128 experts, 8 per token, SiLU;
 - gpt-oss-20b: hidden 2880, experts 2880 wide with biases, 32 experts, 4 per token, gpt-oss's clamped SwiGLU
   (MXFP4 checkpoints are dequantised to bf16 at load, so bf16 is what a step reads).
-T = 1, 4, 16, 64, 256 tokens, uniformly random routing. "every" and "fused" are timed eagerly (CUDA events
-from an idle device, median) and captured in a CUDA graph and replayed (what a decode step runs); "loop"
+T = 1, 4, 16, 64, 256 tokens, uniformly random routing. "every", "fused" and "gemv" are timed eagerly (CUDA
+events from an idle device, median) and captured in a CUDA graph and replayed (what a decode step runs); "loop"
 eagerly. Floor: the bytes of the experts the step hits (distinct ids x one expert's bytes) over the
-measured copy bandwidth; `% floor` = floor / the faster graph. `maxdiff`: the largest |fused - loop|.
-The last table names, per family and T, the faster graphed path.
+measured copy bandwidth; `% floor` = floor / the fastest graph. `maxdiff`: the largest |fused - loop| or
+|gemv - loop|. The last table names, per family and T, the fastest graphed path.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ FAMILIES = {"qwen3-30b-a3b": lambda c: parse_qwen3_moe_config(c).moe, "gpt-oss-2
 FULL = dict(device="cuda", dtype=torch.bfloat16, tokens=[1, 4, 16, 64, 256], iters=20, shrink=None)
 # Smoke: the families' routers and activations at toy widths and expert counts.
 SMOKE = dict(device="cpu", dtype=torch.float32, tokens=[1, 4], iters=1, shrink=dict(hidden=32, inter=16, experts=8))
+KERNELS = ("fused", "gemv")  # the Triton paths: each checked against the loop (the reference) first
 
 
 def family_config(name: str, shrink: dict | None) -> MoEConfig:
@@ -80,26 +82,29 @@ def run_case(p: dict, layer: MoE, tokens: int, bandwidth: float | None) -> dict:
     if bandwidth:
         res["floor_ms"] = hit * expert_bytes / bandwidth * 1e3
     with torch.no_grad():
-        want, got = torch.zeros_like(routed), torch.zeros_like(routed)
+        want = torch.zeros_like(routed)
         layer.add_routed(x, ids, weights, want, "loop")
-        layer.add_routed(x, ids, weights, got, "fused")
-        res["maxdiff"] = (got - want).abs().max().item()
+        res["maxdiff"] = 0.0
+        for name in KERNELS:
+            got = torch.zeros_like(routed)
+            layer.add_routed(x, ids, weights, got, name)
+            res["maxdiff"] = max(res["maxdiff"], (got - want).abs().max().item())
         del want, got
-        for name in ("every", "fused", "loop"):
+        for name in ("every", *KERNELS, "loop"):
             call = lambda name=name: layer.add_routed(x, ids, weights, routed, name)  # noqa: E731
             res[f"{name}_ms"] = median(timed_ms(call, dev, p["iters"], warmup=2))
             if name != "loop" and dev.type == "cuda":
                 res[f"{name}_graph_ms"] = median(graph_ms(call, dev, p["iters"]))
                 torch.cuda.empty_cache()  # the graph's pool
-    graphed = {name: res.get(f"{name}_graph_ms", res[f"{name}_ms"]) for name in ("every", "fused")}
+    graphed = {name: res.get(f"{name}_graph_ms", res[f"{name}_ms"]) for name in ("every", *KERNELS)}
     res["faster_graphed"] = min(graphed, key=graphed.get)
     if "floor_ms" in res:
         res["pct_floor"] = 100 * res["floor_ms"] / min(graphed.values())
     return res
 
 
-COLUMNS = ["experts_hit", "floor_ms", "every_ms", "every_graph_ms", "fused_ms", "fused_graph_ms", "loop_ms",
-           "pct_floor", "maxdiff", "faster_graphed"]
+COLUMNS = ["experts_hit", "floor_ms", "every_ms", "every_graph_ms", "fused_ms", "fused_graph_ms", "gemv_ms",
+           "gemv_graph_ms", "loop_ms", "pct_floor", "maxdiff", "faster_graphed"]
 
 
 def fmt(column: str, v) -> str:
@@ -111,7 +116,7 @@ def fmt(column: str, v) -> str:
 
 
 def print_table(res: dict) -> None:
-    print(f"\n== MoE routed paths: every expert vs fused grouped GEMM vs loop ({res['device']}, "
+    print(f"\n== MoE routed paths: every expert vs grouped GEMM vs per-assignment GEMV vs loop ({res['device']}, "
           f"copy {res['copy_GBps'] or 0:.0f} GB/s, EVERY_EXPERT_MAX {res['every_expert_max']}) ==")
     print(f"  {'case':<24}" + "".join(f"{c:>15}" for c in COLUMNS))
     for label, row in res["cases"].items():
@@ -119,7 +124,7 @@ def print_table(res: dict) -> None:
             print(f"  {label:<24}" + "".join(f"{fmt(c, row.get(c, '-')):>15}" for c in COLUMNS))
         else:
             print(f"  {label:<24}  {row}")
-    print("\n== faster graphed path per family (local experts) and T ==")
+    print("\n== fastest graphed path per family (local experts) and T ==")
     for family, info in res["families"].items():
         cells = [f"T{t} {res['cases'][f'{family} T{t}'].get('faster_graphed', '?')}"
                  if isinstance(res["cases"].get(f"{family} T{t}"), dict) else f"T{t} -" for t in res["tokens"]]

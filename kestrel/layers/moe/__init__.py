@@ -18,8 +18,8 @@ Interface
   `first .. first + count - 1` of `num_experts / ep_size`; TP of the experts: each expert's width I
   split over the `tp_size / ep_size` ranks that share it.
 - shared.py: `SharedExpert` (`w1` gate, `w3` up, `w2` down), split like the experts' width.
-- activation.py: the gated activations in torch; fused_moe.py computes the same in Triton.
-- paths.py: the three compute paths ("loop", "every", "fused") and `choose_path` (thresholds there);
+- activation.py: the gated activations in torch; fused_moe.py and gemv_moe.py compute the same in Triton.
+- paths.py: the four compute paths ("loop", "every", "fused", "gemv") and `choose_path` (thresholds there);
   `MoE.routed_path(x)` says which a forward takes, `MoE.add_routed(x, ids, weights, out, path)` runs one.
 - loading.py: checkpoint tensors -> the stacked parameters. `ExpertCheckpoint` names a family's expert
   tensors (per expert `{e}.gate_proj.weight`..., `QWEN_EXPERTS`; `{e}.w1.weight`..., `MIXTRAL_EXPERTS`;

@@ -1,11 +1,15 @@
-"""Three ways to add a rank's routed experts' weighted outputs to `out` [T, H] float32, one sum:
+"""Four ways to add a rank's routed experts' weighted outputs to `out` [T, H] float32, one sum:
 
 - "loop" (`add_hit_experts`): a loop over the experts the step hits, each on its tokens; it reads
   the ids on the host, so it runs eagerly only (the CPU's path);
 - "every" (`add_every_expert`): every local expert on every token, weight 0 where a token was not
   routed; static shapes and no host read (CUDA-graph capture with few local experts);
 - "fused" (`add_fused`): the Triton grouped GEMM (fused_moe.py): static shapes, no host read, and
-  it reads only the experts the step hits (CUDA, many local experts; eager too: fewer launches).
+  it reads only the experts the step hits (CUDA, many local experts; eager too: fewer launches);
+- "gemv" (`add_gemv`): two Triton GEMV kernels (gemv_moe.py), a program per (token, slot) assignment
+  that reads its expert id itself: no sort or tiles to build, static shapes, no host read (meant for
+  decode's few tokens, where the grouped GEMM's 16-row tiles hold one real row; not yet chosen by
+  `choose_path`: kestrel/bench/kernels/moe_paths.py times it beside the others).
 `choose_path` picks one; a benchmark times each by passing its name to `MoE.add_routed`.
 
 ids [T, k] are global expert ids (other ranks' experts are skipped), weights [T, k] float32."""
@@ -17,7 +21,7 @@ from kestrel.layers.moe.activation import gated
 from kestrel.layers.moe.config import ExpertActivation
 from kestrel.layers.moe.experts import Experts
 
-ROUTED_PATHS = ("loop", "every", "fused")
+ROUTED_PATHS = ("loop", "every", "fused", "gemv")
 # The most local experts for which a captured step (decode) runs every expert on every token rather than
 # the grouped GEMM: DeepSeek-V4's 16-expert bench slice's decode graphs were measured with every-expert
 # on the H200, and above that its waste grows with the expert count (at 256 experts and 6 per token,
@@ -82,4 +86,11 @@ def add_fused(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts
     out += fused_moe(x, ids, weights, experts.w13, experts.w2, experts.first, act, experts.b13, experts.down_bias())
 
 
-ADD_ROUTED = {"loop": add_hit_experts, "every": add_every_expert, "fused": add_fused}
+def add_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
+             act: ExpertActivation, out: torch.Tensor) -> None:
+    from kestrel.layers.moe.gemv_moe import gemv_moe  # Triton is only needed on this path
+
+    out += gemv_moe(x, ids, weights, experts.w13, experts.w2, experts.first, act, experts.b13, experts.down_bias())
+
+
+ADD_ROUTED = {"loop": add_hit_experts, "every": add_every_expert, "fused": add_fused, "gemv": add_gemv}
