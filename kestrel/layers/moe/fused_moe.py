@@ -183,6 +183,17 @@ def _down_kernel(Act, W2, B2, Rows, TileExpert, Weights, Out, n_assign, d, inter
     tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & n_ok[None, :])
 
 
+def expert_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int]:
+    """(experts, intermediate width) of stacked weights w13 [count, 2I, d] and w2 [count, d, I] for x [T, d];
+    ValueError if they do not fit together."""
+    d = x.shape[1]
+    count, inter = w2.shape[0], w2.shape[2]
+    if w13.shape != (count, 2 * inter, d):
+        raise ValueError(f"w13 {tuple(w13.shape)} does not match w2 {tuple(w2.shape)} and x {tuple(x.shape)}: "
+                         f"expected ({count}, {2 * inter}, {d})")
+    return count, inter
+
+
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               first: int, activation: ExpertActivation, b13: torch.Tensor | None = None,
               b2: torch.Tensor | None = None, cfg: MoeTileConfig | None = None) -> torch.Tensor:
@@ -191,10 +202,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     x [T, d]; ids, weights [T, k]; w13 [count, 2I, d] (w1 rows, then w3 rows); w2 [count, d, I];
     b13 [count, 2I] and b2 [count, d] or None (no bias)."""
     T, d = x.shape
-    count, inter = w2.shape[0], w2.shape[2]
-    if w13.shape != (count, 2 * inter, d):
-        raise ValueError(f"w13 {tuple(w13.shape)} does not match w2 {tuple(w2.shape)} and x {tuple(x.shape)}: "
-                         f"expected ({count}, {2 * inter}, {d})")
+    count, inter = expert_shapes(x, w13, w2)
     n = ids.numel()
     if n == 0:
         return torch.zeros(T, d, dtype=torch.float32, device=x.device)

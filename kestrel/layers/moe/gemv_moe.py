@@ -25,6 +25,7 @@ import triton.language as tl
 
 from kestrel.envs import triton_jit
 from kestrel.layers.moe.config import ACTIVATIONS, ExpertActivation
+from kestrel.layers.moe.fused_moe import expert_shapes
 
 
 @dataclass(frozen=True)
@@ -109,10 +110,7 @@ def gemv_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
     x [T, d]; ids, weights [T, k]; w13 [count, 2I, d] (w1 rows, then w3 rows); w2 [count, d, I];
     b13 [count, 2I] and b2 [count, d] or None (no bias)."""
     T, d = x.shape
-    count, inter = w2.shape[0], w2.shape[2]
-    if w13.shape != (count, 2 * inter, d):
-        raise ValueError(f"w13 {tuple(w13.shape)} does not match w2 {tuple(w2.shape)} and x {tuple(x.shape)}: "
-                         f"expected ({count}, {2 * inter}, {d})")
+    count, inter = expert_shapes(x, w13, w2)
     n = ids.numel()
     if n == 0:
         return torch.zeros(T, d, dtype=torch.float32, device=x.device)
