@@ -98,6 +98,21 @@ def align_assignments(ids: torch.Tensor, first: int, count: int, block_m: int) -
 
 
 @triton_jit
+def gated_activation(gate, up, limit, alpha, ACT: tl.constexpr):
+    """activation.gated in registers (float32): ACT indexes config.ACTIVATIONS (0 silu, 1 clamped_silu,
+    2 gpt_oss)."""
+    if ACT == 0:  # silu
+        act = gate / (1.0 + tl.exp(-gate)) * up
+    elif ACT == 1:  # clamped_silu
+        gate = tl.minimum(gate, limit)
+        act = gate / (1.0 + tl.exp(-gate)) * tl.minimum(tl.maximum(up, -limit), limit)
+    else:  # gpt_oss
+        gate = tl.minimum(gate, limit)
+        act = (tl.minimum(tl.maximum(up, -limit), limit) + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+    return act
+
+
+@triton_jit
 def _up_kernel(X, W13, B13, Rows, TileExpert, Act, n_assign, top_k, d, inter, limit, alpha,
                stride_xt, stride_we, stride_wn, stride_wk, stride_be, stride_am,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
@@ -136,14 +151,7 @@ def _up_kernel(X, W13, B13, Rows, TileExpert, Act, n_assign, top_k, d, inter, li
         bias = B13 + expert * stride_be + offs_n
         gate += tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         up += tl.load(bias + inter, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if ACT == 0:  # silu
-        act = gate / (1.0 + tl.exp(-gate)) * up
-    elif ACT == 1:  # clamped_silu
-        gate = tl.minimum(gate, limit)
-        act = gate / (1.0 + tl.exp(-gate)) * tl.minimum(tl.maximum(up, -limit), limit)
-    else:  # gpt_oss
-        gate = tl.minimum(gate, limit)
-        act = (tl.minimum(tl.maximum(up, -limit), limit) + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+    act = gated_activation(gate, up, limit, alpha, ACT)
     out = Act + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :]
     tl.store(out, act.to(Act.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from kestrel.envs import triton_jit
 from kestrel.layers.moe.config import ACTIVATIONS, ExpertActivation
-from kestrel.layers.moe.fused_moe import expert_shapes
+from kestrel.layers.moe.fused_moe import expert_shapes, gated_activation
 
 
 @dataclass(frozen=True)
@@ -66,14 +66,7 @@ def _up_kernel(X, Ids, W13, B13, Act, first, count, top_k, d, inter, limit, alph
         bias = B13 + expert * stride_be + offs_n
         g += tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)
         u += tl.load(bias + inter, mask=n_ok, other=0.0).to(tl.float32)
-    if ACT == 0:  # silu
-        act = g / (1.0 + tl.exp(-g)) * u
-    elif ACT == 1:  # clamped_silu
-        g = tl.minimum(g, limit)
-        act = g / (1.0 + tl.exp(-g)) * tl.minimum(tl.maximum(u, -limit), limit)
-    else:  # gpt_oss
-        g = tl.minimum(g, limit)
-        act = (tl.minimum(tl.maximum(u, -limit), limit) + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+    act = gated_activation(g, u, limit, alpha, ACT)
     tl.store(Act + assignment.to(tl.int64) * stride_am + offs_n, act.to(Act.dtype.element_ty), mask=n_ok)
 
 
