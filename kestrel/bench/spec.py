@@ -183,19 +183,10 @@ def step_times(engine, bs: int, rounds: int) -> dict:
     unsynced = (now(engine.device) - start) / rounds
     if worker:
         worker.lanes.draft = draft
-    finish(engine, rids)
+    engine.discard(rids)
     med = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
     return dict(synced_ms=med([w * 1e3 for w in walls]), unsynced_ms=round(unsynced * 1e3, 3), target_gpu_ms=med(gpu[0]),
                 extend_gpu_ms=med(gpu[1]) if worker else None, draft_gpu_ms=med(gpu[2]) if worker else None)
-
-
-def finish(engine, rids: list[str]) -> None:
-    for rid in rids:
-        engine.abort(rid)
-    while engine.has_work():
-        engine.step()
-    for rid in rids:
-        engine.pop(rid)
 
 
 def profile_rounds(engine, path: str, rounds: int) -> None:
@@ -208,7 +199,7 @@ def profile_rounds(engine, path: str, rounds: int) -> None:
     with profiled(path, engine):
         for _ in range(rounds):
             engine.step()
-    finish(engine, [rid])
+    engine.discard([rid])
 
 
 def llama8b(args: argparse.Namespace) -> list[dict]:

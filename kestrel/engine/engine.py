@@ -394,6 +394,16 @@ class Engine:
         self._texts.pop(rid, None)
         return self._reqs.pop(rid)
 
+    def discard(self, rids: list[str]) -> None:
+        """Abort these requests, step until the engine is idle, and forget them (a benchmark's or a
+        profile's requests, whose outputs nobody reads)."""
+        for rid in rids:
+            self.abort(rid)
+        while self.has_work():
+            self.step()
+        for rid in rids:
+            self.pop(rid)
+
     def output(self, req: Request) -> RequestOutput:
         text = ""
         if self.tokenizer is not None:

@@ -42,9 +42,4 @@ def _profile_run(engine, steps: int, sizes: list[int], rng: random.Random, keep:
             rids.append(engine.add_request(prompt_token_ids=prompt, sampling_params=params,
                                            rid=f"step-cost-profile-{int(keep)}-{step}"))
         engine.step()
-    for rid in rids:
-        engine.abort(rid)
-    while engine.has_work():
-        engine.step()
-    for rid in rids:
-        engine.pop(rid)
+    engine.discard(rids)
