@@ -4,8 +4,11 @@ One new token per request; every head attends to the same latent entries [c | k_
 score = q_lat . c + q_rope . k_r, value = c. The latent query q_lat = q_nope @ W_UK and the output's
 W_UV stay outside (two batched GEMMs); this kernel is the part that reads the cache.
 
-Grid (request, block of heads, split): a program takes BLOCK_H heads over one chunk of the request's
+Grid (block of heads, request, split): a program takes BLOCK_H heads over one chunk of the request's
 keys, so each entry it loads serves all of them (the latent is the one KV head of every query head).
+The head blocks vary fastest, so the programs that read the same chunk run side by side and all but
+the first find it in L2 (with the request first, a batch read its whole latent cache once per head block
+from HBM).
 Chunks as the MHA decode kernel's uniform policy: ceil(seq / num_splits) keys each, from the batch size
 alone, so a CUDA graph replays it; partial outputs and log-sum-exps go through the MHA kernel's merge.
 Each program whose chunk holds the last position first stores the new token's entry in the pool (every
@@ -31,8 +34,8 @@ def _mla_decode_kernel(
     BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
     FP8_MAX: tl.constexpr, EXACT_ROUND: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    b = tl.program_id(1)
     split = tl.program_id(2)
     seq = tl.load(seq_lens + b)
     row = tl.load(req_pool_indices + b)
@@ -115,7 +118,7 @@ def mla_decode_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, new_entries:
     mid_shape = (1, 1, 1) if direct else (batch, num_heads, num_splits)
     mid_o = torch.empty((*mid_shape, block_r), dtype=torch.float32, device=q_lat.device)
     mid_lse = torch.empty(mid_shape, dtype=torch.float32, device=q_lat.device)
-    _mla_decode_kernel[(batch, triton.cdiv(num_heads, block_h), num_splits)](
+    _mla_decode_kernel[(triton.cdiv(num_heads, block_h), batch, num_splits)](
         q_lat, q_rope, cache, new_entries, new_slots, out, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0), new_entries.stride(0),
         out.stride(0), out.stride(1), req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),

@@ -30,6 +30,10 @@ FULL = dict(device="cuda", dtype=torch.bfloat16, heads=128, rank=512, rope=64, c
             kv_dtypes=["bfloat16", "fp8_e4m3"], iters=20, min_bytes=256 * 2**20)
 SMOKE = dict(device="cpu", dtype=torch.float32, heads=4, rank=32, rope=16, context=40, batches=[1, 2],
              kv_dtypes=["float32", "fp8_e4m3"], iters=1, min_bytes=0)
+# --sweep: launch configs (block_h, block_n, num_warps, num_stages), each at the split counts that give about
+# one and two programs per SM (at most 64 splits); what sets mla_decode_attention's defaults.
+SWEEP = [(16, 32, 4, 2), (32, 32, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2), (64, 16, 8, 2), (64, 32, 8, 2),
+         (64, 16, 16, 2), (64, 32, 16, 2), (64, 64, 16, 2), (128, 16, 16, 2), (64, 32, 8, 3), (64, 32, 16, 3)]
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
 
 
@@ -43,7 +47,8 @@ def reference(q_lat, q_rope, cache, table, seq_lens, rank: int, scale: float) ->
     return torch.stack(outs)
 
 
-def run_case(p: dict, batch: int, kv_name: str, splits_extra: list[int], bandwidth: float | None) -> dict:
+def run_case(p: dict, batch: int, kv_name: str, splits_extra: list[int], bandwidth: float | None,
+             sweep: bool = False) -> dict:
     from kestrel.attention.triton.mla_decode import mla_decode_attention, mla_decode_splits
 
     dev, ctx, heads, rank, rope = torch.device(p["device"]), p["context"], p["heads"], p["rank"], p["rope"]
@@ -85,9 +90,43 @@ def run_case(p: dict, batch: int, kv_name: str, splits_extra: list[int], bandwid
         if bandwidth:
             res[f"pct_floor{key}"] = 100 * res["floor_ms"] / ms
             res[f"GBps{key}"] = read_bytes / ms / 1e6
+    if sweep and dev.type == "cuda":
+        res["sweep"] = sweep_configs(p, batch, heads, (q_lat, q_rope, new, caches, out, table, rows, seq_lens,
+                                                       new_slots, scale), copies, res.get("floor_ms"))
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return res
+
+
+def sweep_configs(p: dict, batch: int, heads: int, args: tuple, copies: int, floor: float | None) -> dict:
+    """ms (and % of the floor, and |out - the default's out|) per SWEEP config and split count."""
+    from kestrel.attention.triton.mla_decode import mla_decode_attention
+
+    q_lat, q_rope, new, caches, out, table, rows, seq_lens, new_slots, scale = args
+    want = out.float().clone()  # the default config's output, left in `out` by the last timed call
+    sms = torch.cuda.get_device_properties(q_lat.device).multi_processor_count
+    results = {}
+    for bh, bn, warps, stages in SWEEP:
+        blocks = batch * math.ceil(heads / bh)
+        for per_sm in (1, 2):
+            splits = max(1, min(64, math.ceil(per_sm * sms / blocks)))
+            label = f"h{bh} n{bn} w{warps} st{stages} s{splits}"
+            if label in results:
+                continue
+
+            def calls(bh=bh, bn=bn, warps=warps, stages=stages, splits=splits) -> None:
+                for cache in caches:
+                    mla_decode_attention(q_lat, q_rope, new, cache, out, table, rows, seq_lens, new_slots, scale,
+                                         False, splits, block_h=bh, block_n=bn, num_warps=warps, num_stages=stages)
+            try:
+                calls()
+                diff = (out.float() - want).abs().max().item()
+                ms = median(graph_ms(calls, q_lat.device, 5)) / copies
+                results[label] = {"ms": ms, "diff": diff, **({"pct_floor": 100 * floor / ms} if floor else {})}
+            except Exception as e:  # noqa: BLE001 - a config that does not compile or fit: report it, go on
+                results[label] = {"error": f"{type(e).__name__}: {e}"[:160]}
+            torch.cuda.empty_cache()
+    return results
 
 
 def print_table(res: dict) -> None:
@@ -101,6 +140,10 @@ def print_table(res: dict) -> None:
             continue
         cells = [f"{row[c]:.3g}" if isinstance(row.get(c), float) else str(row.get(c, "-")) for c in columns]
         print(f"  {label:<22}" + "".join(f"{c:>15}" for c in cells))
+        timed = {k: v for k, v in row.get("sweep", {}).items() if "ms" in v}
+        for label, v in sorted(timed.items(), key=lambda kv: kv[1]["ms"])[:5]:
+            print("  " + " " * 22 + f"sweep {label}: {v['ms']:.3f} ms, {v.get('pct_floor', 0):.0f} % "
+                  f"(diff {v['diff']:.1e})")
         others = {k: v for k, v in row.items() if k.startswith("ms_s")}
         if others:
             print("  " + " " * 22 + "other splits: " + ", ".join(f"{k[3:]} {v:.3f} ms" for k, v in others.items()))
@@ -111,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1), tiny widths, fp32")
     parser.add_argument("--budget-s", type=float, default=120, help="cases that would start past it are skipped")
     parser.add_argument("--context", type=int, default=None, help="tokens per request (default 32768)")
+    parser.add_argument("--sweep", action="store_true", help="also time the SWEEP launch configs (CUDA)")
     parser.add_argument("--splits", type=str, default="", help="split counts to time besides the rule's, e.g. 4,8,16")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -128,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     for kv_name in p["kv_dtypes"]:
         for batch in p["batches"]:
             run_budgeted(res["cases"], f"{kv_name} B{batch} x {p['context']}",
-                         lambda: run_case(p, batch, kv_name, extra, bandwidth), started, args.budget_s)
+                         lambda: run_case(p, batch, kv_name, extra, bandwidth, args.sweep), started, args.budget_s)
     res["wall_s"] = time.monotonic() - started
     path = write_result(res, "mla_decode_smoke.json" if args.smoke else "mla_decode.json")
     print_table(res)

@@ -8,8 +8,8 @@
   it reads only the experts the step hits (CUDA, many local experts; eager too: fewer launches);
 - "gemv" (`add_gemv`): two Triton GEMV kernels (gemv_moe.py), a program per (token, slot) assignment
   that reads its expert id itself: no sort or tiles to build, static shapes, no host read (meant for
-  decode's few tokens, where the grouped GEMM's 16-row tiles hold one real row; not yet chosen by
-  `choose_path`: kestrel/bench/kernels/moe_paths.py times it beside the others).
+  decode's few tokens, where the grouped GEMM's 16-row tiles hold one real row; chosen up to
+  GEMV_MAX_TOKENS tokens, as kestrel/bench/kernels/moe_paths.py measured it).
 `choose_path` picks one; a benchmark times each by passing its name to `MoE.add_routed`.
 
 ids [T, k] are global expert ids (other ranks' experts are skipped), weights [T, k] float32."""
@@ -27,6 +27,11 @@ ROUTED_PATHS = ("loop", "every", "fused", "gemv")
 # on the H200, and above that its waste grows with the expert count (at 256 experts and 6 per token,
 # batch 1 reads ~43x the weights it needs). kestrel/bench/kernels/dsv4_moe.py compares the paths.
 EVERY_EXPERT_MAX = 16
+# The most tokens a CUDA forward sends down the "gemv" path, whatever the expert count: on the H100 it
+# beat the grouped GEMM in a graph at 1 and 4 tokens for both Qwen3-30B-A3B (0.053 / 0.091 ms at one
+# token) and gpt-oss-20b, tied at 16 for Qwen3 and lost there for gpt-oss (moe_paths, docs/benchmarks.md).
+# A module constant so that a benchmark can set it in its process before the model is built.
+GEMV_MAX_TOKENS = 4
 
 
 def capturing(x: torch.Tensor) -> bool:
@@ -35,7 +40,10 @@ def capturing(x: torch.Tensor) -> bool:
 
 
 def choose_path(x: torch.Tensor, experts: Experts) -> str:
-    """"fused" on CUDA above EVERY_EXPERT_MAX local experts; else "every" under capture, "loop" eagerly."""
+    """"gemv" on CUDA up to GEMV_MAX_TOKENS tokens; "fused" on CUDA above EVERY_EXPERT_MAX local experts;
+    else "every" under capture, "loop" eagerly."""
+    if x.is_cuda and x.shape[0] <= GEMV_MAX_TOKENS:
+        return "gemv"
     if x.is_cuda and experts.count > EVERY_EXPERT_MAX:
         return "fused"
     return "every" if capturing(x) else "loop"
