@@ -213,7 +213,8 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _sms(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """The device's SM count (132, an H100's, off CUDA: what the interpreter's configs assume)."""
     return _num_sms(device.index or 0) if device.type == "cuda" else 132
 
 
@@ -227,7 +228,7 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig |
 def default_dot_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
     """Tiles by M; split K when the tiles alone would leave most SMs idle (decode shapes).
     A first guess, to be replaced by what kestrel/bench/kernels/fp8.py measures on the H200."""
-    sms = _sms(device)
+    sms = sm_count(device)
     if m > FUSED_QUANT_MAX_M:
         return GemmConfig(block_m=128 if m >= 128 else 64, block_n=128, num_warps=8, num_stages=3,
                           fused_quant=False)
@@ -255,7 +256,7 @@ def gemv_split_k(n: int, k: int, block_n: int, block_k: int, device: torch.devic
     programs = triton.cdiv(n, block_n)
     strips = triton.cdiv(k, block_k)
     split = 1
-    while programs * split < 4 * _sms(device) and strips >= 8 * split:
+    while programs * split < 4 * sm_count(device) and strips >= 8 * split:
         split *= 2
     return split
 

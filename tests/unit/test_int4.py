@@ -34,8 +34,7 @@ def test_published_layouts_dequantise_to_the_weights_they_were_packed_from(case)
 GEMM_CONFIGS = [  # (M, config): defaults (GEMV at M = 1), tl.dot with split K, tiles across group boundaries
     (1, None),
     (5, None),
-    (3, dict(block_m=16, block_n=32, block_k=128, split_k=3)),
-    (2, dict(block_m=2, block_n=16, block_k=16, split_k=3, dot=False)),
+    (3, dict(block_m=16, block_n=32, block_k=16, split_k=3)),
     (20, dict(block_m=16, block_n=64, block_k=128, split_k=2)),
     (4, dict(block_m=4, block_n=16, block_k=64, split_k=2, dot=False)),
 ]

@@ -16,6 +16,7 @@ from kestrel.attention.mla.base import LatentAttentionBackend, absorb_query, pro
 from kestrel.attention.mla.torch_native import write_latent
 from kestrel.attention.triton.extend import extend_attention
 from kestrel.attention.triton.mla_decode import mla_decode_attention, mla_decode_splits
+from kestrel.layers.fp8_gemm_triton import sm_count
 from kestrel.cache.kv_memory import KVPools
 from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.core.forward_batch import ForwardBatch
@@ -44,7 +45,7 @@ class TritonMLABackend(LatentAttentionBackend):
         q_lat = absorb_query(q_nope, layer)  # [T, heads, rank]
         table = self.req_to_token.table
         if batch.forward_mode is ForwardMode.DECODE:  # the kernel stores the new entries itself
-            splits = mla_decode_splits(batch.batch_size, layer.num_heads)
+            splits = mla_decode_splits(batch.batch_size, layer.num_heads, sm_count(q_lat.device))
             if self.upcast:
                 splits = min(splits, 2)
             out = q_lat.new_empty(q_lat.shape)

@@ -98,16 +98,24 @@ def _mla_decode_kernel(
         tl.store(mid_lse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
 
 
-def mla_decode_splits(batch_size: int, num_heads: int, block_h: int = 16) -> int:
-    """About 128 programs (the MHA decode kernel's aim), at most 16 splits; from the batch size alone."""
-    return max(1, min(16, 128 // (batch_size * triton.cdiv(num_heads, block_h))))
+# The launch that kestrel/bench/kernels/mla_decode.py's sweep found fastest on the H100 at V3's 128 heads
+# (32k context, batch 1 and 32, bf16 and FP8 pools): 64 heads a program, 32 keys a step, 8 warps, about
+# two programs per SM (docs/benchmarks.md).
+BLOCK_H, BLOCK_N, NUM_WARPS, PROGRAMS_PER_SM, MAX_SPLITS = 64, 32, 8, 2, 64
+
+
+def mla_decode_splits(batch_size: int, num_heads: int, sms: int, block_h: int = BLOCK_H) -> int:
+    """About PROGRAMS_PER_SM programs per SM, at most MAX_SPLITS splits; from the batch size alone (so a
+    CUDA graph replays it) and the device's SM count."""
+    blocks = batch_size * triton.cdiv(num_heads, block_h)
+    return max(1, min(MAX_SPLITS, triton.cdiv(PROGRAMS_PER_SM * sms, blocks)))
 
 
 def mla_decode_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, new_entries: torch.Tensor, cache: torch.Tensor,
                          out: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                          seq_lens: torch.Tensor, new_slots: torch.Tensor, sm_scale: float, upcast: bool,
-                         num_splits: int, kv_scale: float = 1.0, block_h: int = 16, block_n: int = 32,
-                         num_warps: int = 4, num_stages: int = 2) -> None:
+                         num_splits: int, kv_scale: float = 1.0, block_h: int = BLOCK_H, block_n: int = BLOCK_N,
+                         num_warps: int = NUM_WARPS, num_stages: int = 2) -> None:
     """q_lat [B, heads, rank] (q_nope @ W_UK), q_rope [B, heads, rope]; new_entries [B, rank + rope], the new
     tokens' latent | rope key, stored at `new_slots` [B] (position seq_len - 1); cache [slots, rank + rope]
     (FP8 entries store value / kv_scale); out [B, heads, rank]: the attention output in latent space."""

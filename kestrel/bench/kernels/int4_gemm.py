@@ -35,8 +35,8 @@ GROUP = 128
 FULL = dict(device="cuda", dtype=torch.bfloat16, shapes=SHAPES, ms=[1, 4, 16, 64], iters=15, configs=None)
 SMOKE = dict(device="cpu", dtype=torch.float32, shapes={"qkv": (256, 48), "down": (384, 32)}, ms=[1, 4, 16],
              iters=1, configs=2)
-GEMV_TILES = [(32, 128, 4), (64, 128, 4), (64, 256, 4), (128, 128, 4), (128, 256, 8), (256, 128, 8)]  # (bn, bk, warps)
-DOT_TILES = [(32, 128, 4, 3), (64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (64, 256, 4, 3), (128, 256, 8, 3)]
+GEMV_TILES = [(16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 256, 8), (128, 128, 8)]  # (bn, bk, warps)
+DOT_TILES = [(32, 128, 4, 3), (64, 128, 4, 3), (128, 128, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (64, 256, 4, 3)]
 SPLITS = [1, 2, 4, 8]
 
 

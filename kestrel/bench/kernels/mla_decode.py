@@ -69,7 +69,8 @@ def run_case(p: dict, batch: int, kv_name: str, splits_extra: list[int], bandwid
     out = torch.empty_like(q_lat)
     scale = (128 + rope) ** -0.5  # V3's q/k head width (nope 128 + rope 64)
     upcast = dev.type == "cpu"
-    default = mla_decode_splits(batch, heads)
+    default = mla_decode_splits(batch, heads, torch.cuda.get_device_properties(dev).multi_processor_count
+                                if dev.type == "cuda" else 132)
     res = {"context": ctx, "copies": copies, "read_MB": read_bytes / 1e6, "default_splits": default}
     if bandwidth:
         res["floor_ms"] = read_bytes / bandwidth * 1e3
