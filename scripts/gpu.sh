@@ -25,7 +25,8 @@
 #   slo             the serving workload (c64) against a server without --itl-target-ms and one per target in
 #                   SLO_TARGETS (default "20 30 50" ms); then on each, Poisson arrivals at 80 % of the first
 #                   server's measured request rate (SLO_POISSON_PROMPTS, default 200); a lone request's TTFT;
-#                   a table of output tok/s, ITL and TTFT median / p99 per variant (slo_table.txt)
+#                   a table of output tok/s, ITL and TTFT median / p99 per variant (slo_table.txt); SLO_FLAGS:
+#                   server flags every variant takes (e.g. "--enable-mixed-chunk")
 #   closed-loop     the serving workload in process (kestrel bench closed-loop), one engine per variant in VARIANTS
 #                   (PROMPTS, default 320)
 #   piecewise       lone 400- and 1000-token prefills eager and with piecewise CUDA graphs; the closed loop with
@@ -146,7 +147,7 @@ tail_variant() {  # tail_variant LABEL FLAGS: the serving workload against a fre
 }
 
 slo_variant() {  # slo_variant LABEL FLAGS: c64 and Poisson runs against a fresh server
-  start_server "$OUT/server_slo_$1.log" $2 || return 1
+  start_server "$OUT/server_slo_$1.log" $2 ${SLO_FLAGS:-} || return 1
   echo "== $1 (${2:-no target})"
   grep -h "step-cost model" "$OUT/server_slo_$1.log" | tail -1
   local workload="--random-input-len 1000 --random-output-len 500 --random-range-ratio 0.2 --vocab-size 128000"

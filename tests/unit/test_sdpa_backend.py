@@ -9,7 +9,7 @@ import torch
 from kestrel.attention import sdpa
 from kestrel.attention.sdpa import SdpaBackend, takes_fast_path
 from kestrel.attention.torch_native import TorchNativeBackend
-from kestrel.cache.kv_layout import Indexing
+from kestrel.cache.kv_layout import Indexing, KVLayout
 from kestrel.cache.kv_memory import LayerKV
 from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.core.forward_batch import ForwardBatch
@@ -24,6 +24,7 @@ class Pools:
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.kv = LayerKV(k=k, k_scale=1.0, k_indexing=Indexing.TOKEN, v=v, v_scale=1.0)
+        self.layout = KVLayout.full_attention(1, k.shape[1], k.shape[2], k.dtype)  # the backends read has_rings
 
     def clone(self) -> "Pools":
         return Pools(self.kv.k.clone(), self.kv.v.clone())
