@@ -13,9 +13,9 @@ Two ways to multiply, one kernel (`Int4GemmConfig.dot`):
 - the GEMV (dot False, M <= GEMV_LIMIT_M): products in float32 registers reduced with tl.sum, no M
   padding to 16; at batch 1 a step only streams the weights.
 Small M leaves few tiles, so K is split into float32 partials that a second kernel sums in a fixed order
-(kestrel.layers.fp8_gemm_triton.sum_splits): the result does not depend on timing. `default_config` is
-a first guess for the H100/H200, unmeasured: every tile size, split, warp count and the GEMV / tl.dot
-choice are arguments of `int4_gemm` (`Int4GemmConfig`), so a sweep on the GPU replaces it.
+(kestrel.layers.fp8_gemm_triton.sum_splits): the result does not depend on timing. `default_config`
+follows the H100's sweep up to M = 64; every tile size, split, warp count and the GEMV / tl.dot choice are
+arguments of `int4_gemm` (`Int4GemmConfig`), so a sweep on another GPU can replace it.
 """
 from __future__ import annotations
 
@@ -102,21 +102,27 @@ def _w4a16_kernel(X, Perm, QW, Z, S, Y, P, Bias, M, N, K, stride_xm, stride_qw, 
                PARTIAL)
 
 
+# Per M range: (block_m, block_n, block_k, tl.dot, programs to aim for per SM). From the config sweep at
+# Llama-3.1-8B's four projection shapes on the H100 (kestrel/bench/kernels/int4_gemm.py, docs/benchmarks.md):
+# the fastest or within 3 % of it at every shape, K split up to 8 ways (the sweep's largest).
+TILES = ((1, (1, 64, 128, False, 16)), (16, (16, 128, 128, True, 8)), (64, (64, 128, 128, True, 1)))
+MAX_SPLIT = 8
+
+
 def default_config(m: int, n: int, k: int, device: torch.device) -> Int4GemmConfig:
-    """The GEMV up to GEMV_MAX_M rows, tl.dot above; K split until the tiles reach twice the SMs
-    (keeping >= 4 K tiles per split). A first guess, to be replaced by the H100's measurements."""
-    if m <= GEMV_MAX_M:
-        block_m, block_n, block_k, dot = triton.next_power_of_2(max(m, 1)), 32, 128, False
-    elif m <= 16:
-        block_m, block_n, block_k, dot = 16, 64, 128, True
-    elif m <= 64:
-        block_m, block_n, block_k, dot = 64, 64, 64, True
+    """The measured tiles of TILES for M (the GEMV up to GEMV_MAX_M rows), K split until the programs
+    reach the aim or a split would hold fewer than 4 K tiles; past M = 64, unmeasured large tiles."""
+    for top, (block_m, block_n, block_k, dot, per_sm) in TILES:
+        if m <= top and (dot or m <= GEMV_MAX_M):
+            break
     else:
-        block_m, block_n, block_k, dot = 128, 128, 64, True
+        block_m, block_n, block_k, dot, per_sm = 128, 128, 64, True, 2
+    if not dot:
+        block_m = triton.next_power_of_2(max(m, 1))
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
     split = 1
-    while tiles * split < 2 * sm_count(device) and k_tiles >= 8 * split:
+    while split < MAX_SPLIT and tiles * split < per_sm * sm_count(device) and k_tiles >= 8 * split:
         split *= 2
     return Int4GemmConfig(block_m, block_n, block_k, split, dot, num_warps=4 if m <= 64 else 8)
 

@@ -16,11 +16,11 @@ from kestrel.attention.mla.base import LatentAttentionBackend, absorb_query, pro
 from kestrel.attention.mla.torch_native import write_latent
 from kestrel.attention.triton.extend import extend_attention
 from kestrel.attention.triton.mla_decode import mla_decode_attention, mla_decode_splits
-from kestrel.layers.fp8_gemm_triton import sm_count
 from kestrel.cache.kv_memory import KVPools
 from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.core.forward_batch import ForwardBatch
 from kestrel.core.forward_mode import ForwardMode
+from kestrel.layers.fp8_gemm_triton import sm_count
 from kestrel.layers.mla import MLAAttention
 
 

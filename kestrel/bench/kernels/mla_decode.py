@@ -25,6 +25,7 @@ from statistics import median
 import torch
 
 from kestrel.bench.common import copy_bandwidth, graph_ms, require_interpreter, run_budgeted, timed_ms, write_result
+from kestrel.layers.fp8_gemm_triton import sm_count
 
 FULL = dict(device="cuda", dtype=torch.bfloat16, heads=128, rank=512, rope=64, context=32768, batches=[1, 32],
             kv_dtypes=["bfloat16", "fp8_e4m3"], iters=20, min_bytes=256 * 2**20)
@@ -69,8 +70,7 @@ def run_case(p: dict, batch: int, kv_name: str, splits_extra: list[int], bandwid
     out = torch.empty_like(q_lat)
     scale = (128 + rope) ** -0.5  # V3's q/k head width (nope 128 + rope 64)
     upcast = dev.type == "cpu"
-    default = mla_decode_splits(batch, heads, torch.cuda.get_device_properties(dev).multi_processor_count
-                                if dev.type == "cuda" else 132)
+    default = mla_decode_splits(batch, heads, sm_count(dev))
     res = {"context": ctx, "copies": copies, "read_MB": read_bytes / 1e6, "default_splits": default}
     if bandwidth:
         res["floor_ms"] = read_bytes / bandwidth * 1e3
@@ -105,7 +105,7 @@ def sweep_configs(p: dict, batch: int, heads: int, args: tuple, copies: int, flo
 
     q_lat, q_rope, new, caches, out, table, rows, seq_lens, new_slots, scale = args
     want = out.float().clone()  # the default config's output, left in `out` by the last timed call
-    sms = torch.cuda.get_device_properties(q_lat.device).multi_processor_count
+    sms = sm_count(q_lat.device)
     results = {}
     for bh, bn, warps, stages in SWEEP:
         blocks = batch * math.ceil(heads / bh)
