@@ -104,11 +104,12 @@ def _mla_decode_kernel(
 BLOCK_H, BLOCK_N, NUM_WARPS, PROGRAMS_PER_SM, MAX_SPLITS = 64, 32, 8, 2, 64
 
 
-def mla_decode_splits(batch_size: int, num_heads: int, sms: int, block_h: int = BLOCK_H) -> int:
-    """About PROGRAMS_PER_SM programs per SM, at most MAX_SPLITS splits; from the batch size alone (so a
+def mla_decode_splits(batch_size: int, num_heads: int, sms: int, block_h: int = BLOCK_H,
+                      programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """About `programs_per_sm` programs per SM, at most MAX_SPLITS splits; from the batch size alone (so a
     CUDA graph replays it) and the device's SM count."""
     blocks = batch_size * triton.cdiv(num_heads, block_h)
-    return max(1, min(MAX_SPLITS, triton.cdiv(PROGRAMS_PER_SM * sms, blocks)))
+    return max(1, min(MAX_SPLITS, triton.cdiv(programs_per_sm * sms, blocks)))
 
 
 def mla_decode_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, new_entries: torch.Tensor, cache: torch.Tensor,

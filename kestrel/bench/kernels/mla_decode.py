@@ -32,7 +32,7 @@ FULL = dict(device="cuda", dtype=torch.bfloat16, heads=128, rank=512, rope=64, c
 SMOKE = dict(device="cpu", dtype=torch.float32, heads=4, rank=32, rope=16, context=40, batches=[1, 2],
              kv_dtypes=["float32", "fp8_e4m3"], iters=1, min_bytes=0)
 # --sweep: launch configs (block_h, block_n, num_warps, num_stages), each at the split counts that give about
-# one and two programs per SM (at most 64 splits); what sets mla_decode_attention's defaults.
+# one and two programs per SM (mla_decode_splits); what sets mla_decode_attention's defaults.
 SWEEP = [(16, 32, 4, 2), (32, 32, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2), (64, 16, 8, 2), (64, 32, 8, 2),
          (64, 16, 16, 2), (64, 32, 16, 2), (64, 64, 16, 2), (128, 16, 16, 2), (64, 32, 8, 3), (64, 32, 16, 3)]
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
@@ -101,16 +101,15 @@ def run_case(p: dict, batch: int, kv_name: str, splits_extra: list[int], bandwid
 
 def sweep_configs(p: dict, batch: int, heads: int, args: tuple, copies: int, floor: float | None) -> dict:
     """ms (and % of the floor, and |out - the default's out|) per SWEEP config and split count."""
-    from kestrel.attention.triton.mla_decode import mla_decode_attention
+    from kestrel.attention.triton.mla_decode import mla_decode_attention, mla_decode_splits
 
     q_lat, q_rope, new, caches, out, table, rows, seq_lens, new_slots, scale = args
     want = out.float().clone()  # the default config's output, left in `out` by the last timed call
     sms = sm_count(q_lat.device)
     results = {}
     for bh, bn, warps, stages in SWEEP:
-        blocks = batch * math.ceil(heads / bh)
         for per_sm in (1, 2):
-            splits = max(1, min(64, math.ceil(per_sm * sms / blocks)))
+            splits = mla_decode_splits(batch, heads, sms, bh, per_sm)
             label = f"h{bh} n{bn} w{warps} st{stages} s{splits}"
             if label in results:
                 continue
