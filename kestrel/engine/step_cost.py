@@ -1,14 +1,20 @@
 """What a step costs: its time as a linear function of its shape, fitted from the engine's own steps.
 
-    seconds = base + per_decode x decodes + per_kv x context_tokens / 1024 + per_prefill x prefill_tokens / 1024
-              + per_prefill_attention x prefill_pairs / 2**20
+    seconds = base + per_decode x decodes + per_kv x context_tokens / 1024
+              + [the step prefills] x (prefill_step + per_prefill x prefill_tokens / 1024
+                                       + per_prefill_attention x prefill_pairs / 2**20)
 
 `decodes` are the step's decoding requests, `context_tokens` the KV their attention reads,
 `prefill_tokens` the step's new prompt tokens and `prefill_pairs` the (query, key) pairs of their
 attention: a chunk of c tokens after p earlier ones has c x (p + (c + 1) / 2). Without the pairs a
 long prompt's later chunks, which attend over all the earlier ones, take longer than the model says
-(on the CPU, 20 % more at the end of a 1280-token prompt). A weight per prefilled request was tried
-and left out: fitted from the few prefill steps seen early, it made the chunk's weights less certain
+(on the CPU, 20 % more at the end of a 1280-token prompt). `prefill_step` is what a step pays for
+carrying any prefill at all: on a GPU, decode steps replay CUDA graphs while a step with prefill
+launches its kernels from the host (~5 ms for an 8B model on the H100, eager). Without it the fit
+spreads that fixed cost over the prefill tokens, so that it overestimates large chunks and
+underestimates small ones; chunks sized to a target then come out small and many, each paying the
+fixed cost again (on the H100, a 30 ms target cost 22 % of the c64 output rate). A weight per
+prefilled request was tried and left out: fitted from the few prefill steps seen early, it made the chunk's weights less certain
 and the predicted chunks larger than they turned out.
 The fit is least squares over every observed step with non-negative weights (no feature makes a step
 faster), older steps weighing less (FORGETTING per step), so that the model follows the machine (warm
@@ -41,7 +47,8 @@ RIDGE_FLOOR = 1e-12  # for features no step has had yet: their weights stay wher
 GROWTH = 2
 OVERRUN_PRIOR = 1.3  # until OVERRUN_WINDOW steps have been predicted: early CPU steps err by up to 25 %
 OVERRUN_WINDOW = 32
-FEATURES = ("base", "per_decode", "per_1k_context", "per_1k_prefill", "per_1m_prefill_pairs")
+FEATURES = ("base", "per_decode", "per_1k_context", "prefill_step", "per_1k_prefill", "per_1m_prefill_pairs")
+PREFILL_STEP, PER_1K_PREFILL, PER_1M_PAIRS = 3, 4, 5
 # Every subset of the features that may have non-zero weights, for the non-negative solve.
 SUPPORTS = [list(s) for n in range(1, len(FEATURES) + 1) for s in itertools.combinations(range(len(FEATURES)), n)]
 
@@ -62,8 +69,8 @@ class StepShape:
         return cls(batch.batch_size - n, context, sum(batch.extend_lens[:n]), pairs, n)
 
     def features(self) -> np.ndarray:
-        return np.array([1.0, self.decodes, self.context_tokens / 1024, self.prefill_tokens / 1024,
-                         self.prefill_pairs / 2**20])
+        return np.array([1.0, self.decodes, self.context_tokens / 1024, float(self.prefill_tokens > 0),
+                         self.prefill_tokens / 1024, self.prefill_pairs / 2**20])
 
 
 def prefill_pairs(tokens: int, prefix: int) -> int:
@@ -87,7 +94,7 @@ class StepCostModel:
     @property
     def fitted(self) -> bool:
         # Prefill weights of 0 would promise free prefill: not a model to size chunks with.
-        return self.observations >= MIN_OBSERVATIONS and (self.coef[3] > 0 or self.coef[4] > 0)
+        return self.observations >= MIN_OBSERVATIONS and (self.coef[PER_1K_PREFILL] > 0 or self.coef[PER_1M_PAIRS] > 0)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         if shape.prefill_tokens and self.fitted:
@@ -105,7 +112,7 @@ class StepCostModel:
     def refit(self) -> None:
         """Minimise the weighted squared error plus the ridge toward the previous fit, weights >= 0. The
         problem is convex, so its optimum is the best of the unconstrained optima over the subsets of
-        free weights that come out non-negative (31 subsets of 5 features: small solves)."""
+        free weights that come out non-negative (63 subsets of 6 features: small solves)."""
         # Each feature's ridge is in its own scale: one ridge for all would be set by the largest feature
         # (decodes, in the tens) and hold the small ones (prefill pairs / 2**20) at their previous weights.
         ridge = RIDGE * np.diag(self._gram) + RIDGE_FLOOR
@@ -138,11 +145,11 @@ class StepCostModel:
         """The most prefill tokens of one request, after `prefix` earlier ones of its prompt, that a step
         of `decodes` decodes over `context_tokens` is predicted to carry in `seconds`; 0 when the rest
         alone takes longer. (The cost is a quadratic in the tokens: its positive root.)"""
-        spare = seconds - self.predict(StepShape(decodes, context_tokens, 0))
+        spare = seconds - self.predict(StepShape(decodes, context_tokens, 0)) - self.coef[PREFILL_STEP]
         if spare <= 0:
             return 0
-        per_pair = self.coef[4] / 2**20
-        linear = self.coef[3] / 1024 + per_pair * (prefix + 0.5)  # pairs: c x prefix + c (c + 1) / 2
+        per_pair = self.coef[PER_1M_PAIRS] / 2**20
+        linear = self.coef[PER_1K_PREFILL] / 1024 + per_pair * (prefix + 0.5)  # pairs: c x prefix + c (c + 1) / 2
         quadratic = per_pair / 2
         # The root written so that nothing cancels when the quadratic weight is (nearly) 0.
         return int(2 * spare / (linear + np.sqrt(linear * linear + 4 * quadratic * spare)))

@@ -7,7 +7,7 @@ from kestrel.config import SchedulerConfig
 from kestrel.core.request import Request
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.engine.policy import MIN_PREFILL_TOKENS, SchedulePolicy
-from kestrel.engine.step_cost import OVERRUN_PRIOR, OVERRUN_WINDOW, StepCostModel, StepShape, prefill_pairs
+from kestrel.engine.step_cost import FEATURES, OVERRUN_PRIOR, OVERRUN_WINDOW, StepCostModel, StepShape, prefill_pairs
 
 
 def law(shape: StepShape) -> float:
@@ -51,7 +51,7 @@ def test_a_long_prompts_chunks_are_predicted_with_their_attention_over_the_earli
 def test_a_vanishing_attention_weight_gives_the_linear_chunk():
     """The root is written so that a pair weight of ~0 does not cancel into noise."""
     cost = StepCostModel()
-    cost.coef[:] = [1e-3, 0.0, 0.0, 0.08, 1e-14]
+    cost.coef[:] = [1e-3, 0.0, 0.0, 0.0, 0.08, 1e-14]
     assert cost.prefill_tokens_within(0.021, 0, 0, prefix=3000) == pytest.approx(256, abs=1)
 
 
@@ -110,3 +110,23 @@ def test_an_unfitted_model_allows_a_small_chunk_per_decode_step():
     assert policy.gap_spent(chunk(MIN_PREFILL_TOKENS)) == pytest.approx(0.02)  # unknown: the decodes go next
     assert policy.prefill_budget(decodes, mixed=False, gap_spent_s=0.02) == 0
     assert policy.prefill_budget(decodes, mixed=True, gap_spent_s=0.0) == MIN_PREFILL_TOKENS
+
+
+def test_a_fixed_cost_of_prefilling_steps_is_fitted_apart_from_the_tokens():
+    """Decode steps replay graphs, steps with prefill launch eagerly (a fixed cost): the model fits that
+    cost on its own, and the chunk it sizes fills the budget, neither over nor (much) under."""
+    def graph_law(shape: StepShape) -> float:
+        return law(shape) + (5e-3 if shape.prefill_tokens else 0.0)
+
+    cost = StepCostModel()
+    for decodes in (1, 8, 32, 8):
+        cost.observe(StepShape(decodes, 100 * decodes, 0), graph_law(StepShape(decodes, 100 * decodes, 0)))
+    for tokens in (32, 512, 128, 2048):
+        mixed = StepShape(4, 400, tokens, prefill_pairs(tokens, 0), 1)
+        cost.observe(mixed, graph_law(mixed))
+    cost.refit()
+    assert cost.coef[FEATURES.index("prefill_step")] == pytest.approx(5e-3, rel=0.05)
+    tokens = cost.prefill_tokens_within(0.03, 8, 800)
+    fits = StepShape(8, 800, tokens, prefill_pairs(tokens, 0), 1)
+    more = StepShape(8, 800, tokens + 2, prefill_pairs(tokens + 2, 0), 1)
+    assert graph_law(fits) <= 0.03 * 1.01 and graph_law(more) > 0.03 * 0.99
