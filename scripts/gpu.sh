@@ -25,7 +25,8 @@
 #   slo             the serving workload (c64) against a server without --itl-target-ms and one per target in
 #                   SLO_TARGETS (default "20 30 50" ms); then on each, Poisson arrivals at 80 % of the first
 #                   server's measured request rate (SLO_POISSON_PROMPTS, default 200); a lone request's TTFT;
-#                   a table of output tok/s, ITL and TTFT median / p99 per variant (slo_table.txt); SLO_FLAGS:
+#                   a table of output tok/s, ITL and TTFT median / p99 per variant (slo_table.txt) and the c64
+#                   ITL p99 and tok/s against the target (slo_sweep.png); SLO_FLAGS:
 #                   server flags every variant takes (e.g. "--enable-mixed-chunk")
 #   closed-loop     the serving workload in process (kestrel bench closed-loop), one engine per variant in VARIANTS
 #                   (PROMPTS, default 320)
@@ -180,6 +181,29 @@ for path in sorted(out.glob("slo_c64_*.json"), key=variant_order) + sorted(out.g
     run, label = path.stem.split("_", 2)[1:]
     print(f"{label:<10} {run:<8} {r['output_tok_per_s']:>9.0f} {r['itl_median_ms']:>8.2f} {r['itl_p99_ms']:>8.2f} "
           f"{r['ttft_median_ms']:>9.1f} {r['ttft_p99_ms']:>9.1f}")
+# The c64 sweep over the target: ITL p99 and output tok/s against it (no target drawn as dashed lines).
+c64 = {path.stem.split("_", 2)[2]: json.loads(path.read_text()) for path in out.glob("slo_c64_*.json")}
+targets = sorted((float(k[3:]), v) for k, v in c64.items() if k.startswith("itl"))
+if targets:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (itl, rate) = plt.subplots(1, 2, figsize=(9, 3.5))
+    xs = [t for t, _ in targets]
+    itl.plot(xs, [r["itl_p99_ms"] for _, r in targets], "o-", label="ITL p99")
+    itl.plot(xs, [r["itl_median_ms"] for _, r in targets], "s-", label="ITL median")
+    itl.plot(xs, xs, ":", color="gray", label="the target")
+    rate.plot(xs, [r["output_tok_per_s"] for _, r in targets], "o-")
+    if "off" in c64:
+        itl.axhline(c64["off"]["itl_p99_ms"], ls="--", color="C0", label="ITL p99, no target")
+        rate.axhline(c64["off"]["output_tok_per_s"], ls="--", color="C0", label="no target")
+        rate.axhline(0.95 * c64["off"]["output_tok_per_s"], ls=":", color="C0", label="95 % of no target")
+        rate.legend()
+    itl.set(xlabel="--itl-target-ms", ylabel="ms", title="c64 inter-token latency")
+    rate.set(xlabel="--itl-target-ms", ylabel="output tok/s", title="c64 throughput")
+    itl.legend()
+    fig.tight_layout()
+    fig.savefig(out / "slo_sweep.png", dpi=110)
 PY
 }
 
