@@ -35,9 +35,10 @@ from kestrel.quant.fp8_triton import to_fp8
 
 # The largest M whose activations are quantized inside the GEMM (see the module docstring).
 FUSED_QUANT_MAX_M = 64
-# The largest M that default_config gives the GEMV. 0 (never) until kestrel/bench/kernels/fp8.py's GEMV rows on the
-# H200 show where it beats the tl.dot path; then set it from them (at most GEMV_LIMIT_M).
-GEMV_MAX_M = 0
+# The largest M that default_config gives the GEMV (at most GEMV_LIMIT_M). Batch-1 decode of Llama-3.1-8B with
+# --quantization fp8 on one H100 (at 956925d, `scripts/gpu.sh OUT one-batch-fp8`, both settings on one machine):
+# 4.25 ms a step through tl.dot, 3.88 ms through the GEMV. M = 2-8 are not measured end to end: tl.dot there.
+GEMV_MAX_M = 1
 # The largest M the GEMV takes: a weight byte costs M FMAs on CUDA cores, and at M = 8 streaming the H200's
 # 4.8 TB/s already asks 8 x 4.8e12 FMA/s = 77 TFLOP/s, above its ~67 TFLOP/s of float32. Past that, tl.dot.
 GEMV_LIMIT_M = 8

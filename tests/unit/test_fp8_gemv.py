@@ -83,9 +83,10 @@ def test_gemv_refuses_what_it_cannot_do():
 
 
 def test_default_config_hands_m_up_to_gemv_max_m_to_the_gemv(monkeypatch):
-    """Flipping the default is one constant; it is 0 (the tl.dot path everywhere) until measured."""
+    """Moving the threshold is one constant; measured: the GEMV at M = 1 (batch-1 decode), tl.dot above."""
     cpu = torch.device("cpu")
-    assert isinstance(fp8_gemm_triton.default_config(1, 4096, 4096, cpu), GemmConfig)
+    assert isinstance(fp8_gemm_triton.default_config(1, 4096, 4096, cpu), GemvConfig)
+    assert isinstance(fp8_gemm_triton.default_config(2, 4096, 4096, cpu), GemmConfig)
     monkeypatch.setattr(fp8_gemm_triton, "GEMV_MAX_M", 4)
     assert isinstance(fp8_gemm_triton.default_config(4, 4096, 4096, cpu), GemvConfig)
     assert isinstance(fp8_gemm_triton.default_config(5, 4096, 4096, cpu), GemmConfig)
