@@ -45,9 +45,12 @@
 #   moe             Qwen3-30B-A3B and gpt-oss-20b (dummy weights; MOE_MODELS: a subset of "qwen3-30b-a3b
 #                   gpt-oss-20b"): one-batch decode at batch 1, 32, 128 against the floor of the experts a step
 #                   is expected to hit; offline MOE_PROMPTS (default 500) x 1024/512; a lone 8k prefill. < 9 min
-#   moe-paths       the MoE layer's routed paths (every, fused, loop) at both families' widths, T = 1 .. 256
-#                   tokens: what sets EVERY_EXPERT_MAX (kestrel.bench.kernels.moe_paths). < 3 min; one command
-#                   with `moe` may pass 10 min: run them as two
+#   moe-paths       the MoE layer's routed paths (every, fused, gemv, loop) at both families' widths, T = 1 .. 256
+#                   tokens: what sets EVERY_EXPERT_MAX (kestrel.bench.kernels.moe_paths); at T <= 4 also the whole
+#                   layer, today's decode against the fused decode route. < 3 min; one command with `moe` may
+#                   pass 10 min: run them as two
+#   moe-decode-route  one-batch at batch 1 and 4 (graphs up to 4) with paths.FUSED_DECODE_ROUTE off, then on, one
+#                   process each (MOE_MODELS as `moe`). < 8 min
 #   mla             MLA decode attention alone at 32k context, batch 1 and 32, bf16 and FP8 pools, against the
 #                   latent-bytes floor (kestrel.bench.kernels.mla_decode); the deepseek-v3 slice's one-batch at
 #                   batch 1 and 32 and its lone 8k prefill. < 6 min
@@ -323,6 +326,17 @@ from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:
         echo "== $model: lone 8k prefill"
         one_batch 50 "moe_${model}_prefill8k" $flags --batch-size 1 --input-len 8192 --output-len 4 \
           --disable-cuda-graph | grep -iE "prefill|batch size"
+      done ;;
+    moe-decode-route)
+      for model in ${MOE_MODELS:-qwen3-30b-a3b gpt-oss-20b}; do
+        for fused in False True; do  # a module constant: set it in the process before the model is built
+          echo "== $model: one-batch at batch 1 and 4, FUSED_DECODE_ROUTE=$fused"
+          timeout 110 python3 -c "import sys; import kestrel.layers.moe.paths as p; p.FUSED_DECODE_ROUTE = $fused
+from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:]))" \
+            --model "kestrel/assets/configs/$model" --load-format dummy --max-total-tokens 65536 --batch-size 1 4 \
+            --input-len 128 --output-len 64 --cuda-graph-max-bs 4 --json "$OUT/moe_${model}_decode_route_$fused.json" \
+            2>&1 | grep -v "^\s*$" | grep -v " INFO " | tail -14
+        done
       done ;;
     moe-paths)
       timeout 170 python3 -m kestrel.bench.kernels.moe_paths --budget-s 150 2>&1 | tail -25 ;;

@@ -249,3 +249,5 @@ def test_kernel_benchmarks_run_their_smoke_mode_on_the_cpu(bench, result, tmp_pa
         assert all(c["faster_graphed"] in ("every", "fused", "gemv") and c["gemv_ms"] > 0 and c["loop_ms"] > 0
                    for c in cases)
         assert res["families"]["gpt-oss-20b"]["activation"] == "gpt_oss" and res["families"]["gpt-oss-20b"]["expert_bias"]
+        # The whole layer at decode sizes, today's route against the fused decode route (both families' routers).
+        assert all(c["layer_ms"] > 0 and c["decode_route_ms"] > 0 and c["decode_route_maxdiff"] < 1e-4 for c in cases)

@@ -15,7 +15,14 @@ T = 1, 4, 16, 64, 256 tokens, uniformly random routing. "every", "fused" and "ge
 events from an idle device, median) and captured in a CUDA graph and replayed (what a decode step runs); "loop"
 eagerly. Floor: the bytes of the experts the step hits (distinct ids x one expert's bytes) over the
 measured copy bandwidth; `% floor` = floor / the fastest graph. `maxdiff`: the largest |fused - loop| or
-|gemv - loop|. The last table names, per family and T, the fastest graphed path.
+|gemv - loop|. The third table names, per family and T, the fastest graphed path.
+
+Up to GEMV_MAX_TOKENS tokens, one whole layer forward (router, experts, combine; random router weights) is
+timed too, eager and graphed: today's decode (`layer_ms`: the torch router, "gemv", the torch combine; on the
+CPU the loop) against the fused decode route (`decode_route_ms`: `MoE.forward_decode`, five Triton launches,
+paths.FUSED_DECODE_ROUTE), with their largest output difference (`decode_route_maxdiff`); and the router
+alone (`router_graph_ms`: `Router.forward` in torch; `route_graph_ms`: route_kernels.route, and per
+RouteConfig in ROUTE_SWEEP). Which route a model takes is set before it is built: docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ from statistics import median
 import torch
 
 from kestrel.bench.common import copy_bandwidth, graph_ms, require_interpreter, run_budgeted, timed_ms, write_result
-from kestrel.layers.moe import MoE, MoEConfig
+from kestrel.layers.moe import MoE, MoEConfig, paths
 from kestrel.layers.moe.paths import EVERY_EXPERT_MAX
 from kestrel.models.gpt_oss.config import parse_gpt_oss_config
 from kestrel.models.qwen3_moe import parse_qwen3_moe_config
@@ -44,6 +51,8 @@ KERNELS = ("fused", "gemv")  # the Triton paths: each checked against the loop (
 # GemvConfig (block_n, block_k, num_warps) timed in a graph at T <= GEMV_SWEEP_MAX_T: what sets its default.
 GEMV_SWEEP = [(8, 128, 2), (8, 256, 4), (16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 64, 2), (64, 64, 4)]
 GEMV_SWEEP_MAX_T = 4
+# RouteConfig (block_e, block_k, num_warps) of the fused decode route's router, graphed: what sets its default.
+ROUTE_SWEEP = [(1, 512, 4), (2, 512, 4), (4, 256, 4), (4, 512, 4), (8, 256, 4)]
 
 
 def family_config(name: str, shrink: dict | None) -> MoEConfig:
@@ -65,8 +74,8 @@ def build_layer(p: dict, cfg: MoEConfig) -> MoE:
     finally:
         torch.set_default_dtype(previous)
     gen = torch.Generator(p["device"]).manual_seed(cfg.num_experts)
-    with torch.no_grad():
-        for param in layer.experts.parameters():
+    with torch.no_grad():  # the router too: all-zero logits would tie every expert (whole-layer timings)
+        for param in [*layer.experts.parameters(), *layer.gate.parameters()]:
             param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
     return layer
 
@@ -101,6 +110,8 @@ def run_case(p: dict, layer: MoE, tokens: int, bandwidth: float | None) -> dict:
                 torch.cuda.empty_cache()  # the graph's pool
         if dev.type == "cuda" and tokens <= GEMV_SWEEP_MAX_T:
             res["gemv_sweep"] = sweep_gemv(p, layer, x, ids, weights)
+        if tokens <= paths.GEMV_MAX_TOKENS:
+            res.update(time_decode_route(p, layer, x))
     graphed = {name: res.get(f"{name}_graph_ms", res[f"{name}_ms"]) for name in ("every", *KERNELS)}
     if res.get("gemv_sweep"):
         best = min(res["gemv_sweep"], key=res["gemv_sweep"].get)
@@ -128,14 +139,53 @@ def sweep_gemv(p: dict, layer: MoE, x, ids, weights) -> dict[str, float]:
     return times
 
 
+def time_decode_route(p: dict, layer: MoE, x: torch.Tensor) -> dict:
+    """One whole forward of `layer` on x: today's decode route against the fused one (see the docstring)."""
+    from kestrel.layers.moe.route_kernels import RouteConfig, route
+
+    dev, gate, res = torch.device(p["device"]), layer.gate, {}
+    saved = paths.FUSED_DECODE_ROUTE
+    paths.FUSED_DECODE_ROUTE = False  # `layer(x)` is today's route, whatever the default
+    try:
+        with torch.no_grad():
+            res["decode_route_maxdiff"] = (layer.forward_decode(x).float() - layer(x).float()).abs().max().item()
+            calls = {"layer": lambda: layer(x), "decode_route": lambda: layer.forward_decode(x),
+                     "router": lambda: gate(x), "route": lambda: route(x, gate.weight, gate.bias, gate.cfg)}
+            for name, call in calls.items():
+                if name in ("layer", "decode_route"):
+                    res[f"{name}_ms"] = median(timed_ms(call, dev, p["iters"], warmup=2))
+                if dev.type == "cuda":
+                    res[f"{name}_graph_ms"] = median(graph_ms(call, dev, p["iters"]))
+                    torch.cuda.empty_cache()
+            if dev.type == "cuda":
+                res["route_sweep"] = {}
+                for be, bk, warps in ROUTE_SWEEP:
+                    cfg = RouteConfig(be, bk, warps)
+                    call = lambda cfg=cfg: route(x, gate.weight, gate.bias, gate.cfg, cfg)  # noqa: E731
+                    try:
+                        res["route_sweep"][f"e{be} k{bk} w{warps}"] = median(graph_ms(call, dev, p["iters"]))
+                    except Exception as e:  # noqa: BLE001 - a config that does not compile: skip it, go on
+                        print(f"route e{be} k{bk} w{warps}: {type(e).__name__}: {e}"[:200])
+                    torch.cuda.empty_cache()
+                if res["route_sweep"]:
+                    res["route_best"] = min(res["route_sweep"], key=res["route_sweep"].get)
+    finally:
+        paths.FUSED_DECODE_ROUTE = saved
+    return res
+
+
 COLUMNS = ["experts_hit", "floor_ms", "every_ms", "every_graph_ms", "fused_ms", "fused_graph_ms", "gemv_ms",
            "gemv_graph_ms", "gemv_best", "loop_ms", "pct_floor", "maxdiff", "faster_graphed"]
+
+
+ROUTE_COLUMNS = ["layer_ms", "layer_graph_ms", "decode_route_ms", "decode_route_graph_ms", "router_graph_ms",
+                 "route_graph_ms", "route_best", "decode_route_maxdiff"]
 
 
 def fmt(column: str, v) -> str:
     if not isinstance(v, float):
         return str(v)
-    if column == "maxdiff":
+    if column.endswith("maxdiff"):
         return f"{v:.1e}"
     return f"{v:.0f}" if column == "pct_floor" else f"{v:.3f}"
 
@@ -149,6 +199,12 @@ def print_table(res: dict) -> None:
             print(f"  {label:<24}" + "".join(f"{fmt(c, row.get(c, '-')):>15}" for c in COLUMNS))
         else:
             print(f"  {label:<24}  {row}")
+    print("\n== one whole MoE forward at decode sizes: today's route (torch router, gemv, torch combine) vs the fused "
+          "decode route; the router alone ==")
+    print(f"  {'case':<24}" + "".join(f"{c:>22}" for c in ROUTE_COLUMNS))
+    for label, row in res["cases"].items():
+        if isinstance(row, dict) and "decode_route_ms" in row:
+            print(f"  {label:<24}" + "".join(f"{fmt(c, row.get(c, '-')):>22}" for c in ROUTE_COLUMNS))
     print("\n== fastest graphed path per family (local experts) and T ==")
     for family, info in res["families"].items():
         cells = [f"T{t} {res['cases'][f'{family} T{t}'].get('faster_graphed', '?')}"

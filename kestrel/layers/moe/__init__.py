@@ -21,6 +21,9 @@ Interface
 - activation.py: the gated activations in torch; fused_moe.py and gemv_moe.py compute the same in Triton.
 - paths.py: the four compute paths ("loop", "every", "fused", "gemv") and `choose_path` (thresholds there);
   `MoE.routed_path(x)` says which a forward takes, `MoE.add_routed(x, ids, weights, out, path)` runs one.
+  `FUSED_DECODE_ROUTE` and `takes_decode_route`: whether a "gemv" forward runs the whole layer as the fused
+  decode route, `MoE.forward_decode(x)` (route_kernels.py's Triton router, gemv_moe.py's GEMVs and combine).
+- route_kernels.py: `route`, the "softmax_topk" and "topk_softmax" routers as two Triton kernels.
 - loading.py: checkpoint tensors -> the stacked parameters. `ExpertCheckpoint` names a family's expert
   tensors (per expert `{e}.gate_proj.weight`..., `QWEN_EXPERTS`; `{e}.w1.weight`..., `MIXTRAL_EXPERTS`;
   stacked tensors with a `StackedLayout.convert` to kestrel's layout: `interleaved_gate_up`,

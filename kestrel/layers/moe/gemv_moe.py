@@ -8,12 +8,18 @@ row, and a program reads its expert id from `ids` directly:
   w3 rows (plus their biases), the gated activation (config.ExpertActivation: ACT 0 silu, 1 clamped_silu,
   2 gpt_oss), written to the assignment's row of act [T * k, I];
 - `_down_kernel`, a program per (assignment, BLOCK_N output columns): act[a] times the expert's w2 rows
-  (plus its bias), times the routing weight, written to row a of a float32 [T * k, H] buffer; a token's k
-  rows are then summed by a reshape + sum (no atomics: the result does not depend on scheduling).
-An assignment to another rank's expert returns at once: its act row is never read and its output row
-stays 0. Products are float32 in registers, reduced with tl.sum (exact for fp32 weights: no TF32).
-Each hit expert's weights are read once per assignment, so a step reads what it hits (twice where two
-tokens share an expert: the grouped GEMM wins once tokens share experts; the benchmark decides where).
+  (plus its bias), times the routing weight, written to row a of a float32 [T * k, H] buffer (`gemv_rows`);
+  `gemv_moe` then sums a token's k rows by a reshape + sum (no atomics: the result does not depend on
+  scheduling);
+- `_combine_kernel` (`combine_rows`, the fused decode route's last launch: layer.py), a program per (token,
+  BLOCK_N columns): the same sum of the token's k rows, in slot order, plus the shared expert's output
+  (scaled by the sigmoid of its gate) in float32, stored once in the layer's output dtype: it replaces the
+  zeros, the sum, the add and the cast that surround `gemv_moe` on the "gemv" path.
+An assignment to another rank's expert returns at once: its act row is never read and its output row is
+not written (`gemv_moe` zeroes the buffer first; the combine kernel skips the row by its id). Products are
+float32 in registers, reduced with tl.sum (exact for fp32 weights: no TF32). Each hit expert's weights are
+read once per assignment, so a step reads what it hits (twice where two tokens share an expert: the grouped
+GEMM wins once tokens share experts; the benchmark decides where).
 """
 from __future__ import annotations
 
@@ -105,15 +111,25 @@ def gemv_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
     x [T, d]; ids, weights [T, k]; w13 [count, 2I, d] (w1 rows, then w3 rows); w2 [count, d, I];
     b13 [count, 2I] and b2 [count, d] or None (no bias)."""
     T, d = x.shape
+    rows = torch.zeros(ids.numel(), d, dtype=torch.float32, device=x.device)  # other ranks' rows stay 0
+    gemv_rows(x, ids, weights, w13, w2, first, activation, b13, b2, rows, cfg)
+    return rows.view(T, ids.shape[1], d).sum(1)
+
+
+def gemv_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              first: int, activation: ExpertActivation, b13: torch.Tensor | None, b2: torch.Tensor | None,
+              rows: torch.Tensor, cfg: GemvConfig = GemvConfig()) -> None:
+    """rows [T * k, d] float32, row token * k + slot = that assignment's expert output times its routing
+    weight; the rows of other ranks' experts are not written. Arguments as `gemv_moe`."""
+    d = x.shape[1]
     count, inter = expert_shapes(x, w13, w2)
     n = ids.numel()
     if n == 0:
-        return torch.zeros(T, d, dtype=torch.float32, device=x.device)
+        return
     x = x.contiguous()
     flat_ids = ids.reshape(-1).contiguous()
     flat_weights = weights.reshape(-1).float().contiguous()
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)  # other ranks' rows: never written nor read
-    out = torch.zeros(n, d, dtype=torch.float32, device=x.device)
     common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
     # A missing bias passes its weight as a never-read pointer (HAS_BIAS False compiles the loads out).
     b13_arg, b2_arg = (b13 if b13 is not None else w13), (b2 if b2 is not None else w2)
@@ -122,7 +138,46 @@ def gemv_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
         float(activation.alpha), x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), b13_arg.stride(0),
         act.stride(0), ACT=ACTIVATIONS.index(activation.kind), HAS_BIAS=b13 is not None, **common)
     _down_kernel[(n, triton.cdiv(d, cfg.block_n))](
-        act, flat_ids, w2, b2_arg, flat_weights, out, first, count, d, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), b2_arg.stride(0), out.stride(0),
+        act, flat_ids, w2, b2_arg, flat_weights, rows, first, count, d, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), b2_arg.stride(0), rows.stride(0),
         HAS_BIAS=b2 is not None, **common)
-    return out.view(T, ids.shape[1], d).sum(1)
+
+
+@triton_jit
+def _combine_kernel(Rows, Ids, Shared, Gate, Out, first, count, d, stride_rm, stride_st, stride_gt, stride_ot,
+                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < d
+    routed = tl.zeros([BLOCK_N], tl.float32)
+    for slot in tl.static_range(TOP_K):
+        assignment = token * TOP_K + slot
+        expert = tl.load(Ids + assignment) - first
+        # Another rank's row was never written: read none of its columns.
+        cols = tl.where((expert >= 0) & (expert < count), d, 0)
+        routed += tl.load(Rows + assignment * stride_rm + offs_n, mask=offs_n < cols, other=0.0)
+    if HAS_SHARED:
+        shared = tl.load(Shared + token * stride_st + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            shared = shared * tl.sigmoid(tl.load(Gate + token * stride_gt).to(tl.float32))
+        routed = shared + routed
+    tl.store(Out + token * stride_ot + offs_n, routed.to(Out.dtype.element_ty), mask=n_ok)
+
+
+def combine_rows(rows: torch.Tensor, ids: torch.Tensor, first: int, count: int, out: torch.Tensor,
+                 shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+                 block_n: int = 256) -> None:
+    """out [T, d] (any float dtype) = shared * sigmoid(shared_gate) + the sum of a token's k rows of `rows`
+    [T * k, d] float32 (`gemv_rows`), in float32, cast once at the store; a row whose expert (ids [T, k],
+    global) is not this rank's (`first` .. `first + count - 1`) adds 0. shared [T, d] or None;
+    shared_gate [T, 1] (the logit of the shared expert's gate) or None."""
+    T, d = out.shape
+    if T == 0:
+        return
+    ids = ids.contiguous()
+    shared_arg = shared if shared is not None else rows
+    gate_arg = shared_gate if shared_gate is not None else rows
+    _combine_kernel[(T, triton.cdiv(d, block_n))](
+        rows, ids, shared_arg, gate_arg, out, first, count, d, rows.stride(0), shared_arg.stride(0),
+        gate_arg.stride(0), out.stride(0), TOP_K=ids.shape[1], BLOCK_N=block_n, HAS_SHARED=shared is not None,
+        HAS_GATE=shared_gate is not None, num_warps=4)

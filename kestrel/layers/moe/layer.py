@@ -1,4 +1,9 @@
-"""The MoE sublayer: router, this rank's routed experts, the shared expert, and the one all-reduce."""
+"""The MoE sublayer: router, this rank's routed experts, the shared expert, and the one all-reduce.
+
+A decode forward on CUDA may take the fused decode route instead (`paths.takes_decode_route`): the Triton
+router (route_kernels.py), the two GEMV kernels (gemv_moe.py) and one combine kernel that adds the shared
+expert and writes the layer's output: five launches where the torch router, the GEMV path and the torch
+combine take about fourteen."""
 from __future__ import annotations
 
 import torch
@@ -30,6 +35,8 @@ class MoE(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if paths.takes_decode_route(x, self.experts, self.cfg.router):
+            return self.forward_decode(x)
         ids, weights = self.gate(x, input_ids)
         shared = self.shared_experts
         if shared is not None and shared.adds:  # the shared output first: the routed sum goes into it
@@ -43,6 +50,29 @@ class MoE(nn.Module):
         if self.parallel.tp_size > 1:  # the one collective: routed experts (and shared slices) of every rank
             out = self.parallel.all_reduce(out)
         return out.to(x.dtype)
+
+    def forward_decode(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` through the fused decode route (a router kind of route_kernels.ROUTE_KINDS): the same
+        sum, with the shared expert's gate applied in float32 in the combine kernel."""
+        from kestrel.layers.moe.gemv_moe import combine_rows, gemv_rows  # Triton is only needed on this route
+        from kestrel.layers.moe.route_kernels import route
+
+        experts, shared, gate = self.experts, self.shared_experts, None
+        ids, weights = route(x, self.gate.weight, self.gate.bias, self.cfg.router)
+        rows = torch.empty(ids.numel(), x.shape[1], dtype=torch.float32, device=x.device)
+        gemv_rows(x, ids, weights, experts.w13, experts.w2, experts.first, self.cfg.activation, experts.b13,
+                  experts.down_bias(), rows)
+        shared_out = None
+        if shared is not None and shared.adds:
+            shared_out = shared(x)
+            if self.shared_expert_gate is not None:
+                gate = self.shared_expert_gate(x)
+        reduce = self.parallel.tp_size > 1  # the ranks' partial sums are added in float32, then cast
+        out = torch.empty(x.shape, dtype=torch.float32 if reduce else x.dtype, device=x.device)
+        combine_rows(rows, ids, experts.first, experts.count, out, shared_out, gate)
+        if reduce:
+            out = self.parallel.all_reduce(out).to(x.dtype)
+        return out
 
     def routed_path(self, x: torch.Tensor) -> str:
         """Which of paths.ROUTED_PATHS this forward takes (paths.choose_path)."""

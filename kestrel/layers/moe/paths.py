@@ -11,6 +11,9 @@
   decode's few tokens, where the grouped GEMM's 16-row tiles hold one real row; chosen up to
   GEMV_MAX_TOKENS tokens, as kestrel/bench/kernels/moe_paths.py measured it).
 `choose_path` picks one; a benchmark times each by passing its name to `MoE.add_routed`.
+With FUSED_DECODE_ROUTE on, a forward `choose_path` sends to "gemv" takes the fused decode route instead
+where the router allows (`takes_decode_route`): the whole layer, router and combine included, in five
+Triton launches (`MoE.forward_decode`: route_kernels.py, then gemv_moe.py's two GEMVs and its combine).
 
 ids [T, k] are global expert ids (other ranks' experts are skipped), weights [T, k] float32."""
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from kestrel.layers.moe.activation import gated
-from kestrel.layers.moe.config import ExpertActivation
+from kestrel.layers.moe.config import ExpertActivation, RouterConfig
 from kestrel.layers.moe.experts import Experts
 
 ROUTED_PATHS = ("loop", "every", "fused", "gemv")
@@ -32,6 +35,13 @@ EVERY_EXPERT_MAX = 16
 # token) and gpt-oss-20b, tied at 16 for Qwen3 and lost there for gpt-oss (moe_paths, docs/benchmarks.md).
 # A module constant so that a benchmark can set it in its process before the model is built.
 GEMV_MAX_TOKENS = 4
+# Whether a forward that takes "gemv" under a router kind of route_kernels.ROUTE_KINDS runs the whole layer as the
+# fused decode route (`MoE.forward_decode`: Triton router, the two GEMVs, one combine kernel; 5 launches where
+# the torch router, "gemv" and the torch combine take ~14). Off until a GPU measures it: each launch it saves
+# costs a few microseconds in a graph, but its router kernels are untuned against cuBLAS and torch's top-k.
+# `python -m kestrel.bench.kernels.moe_paths` times one layer both ways and `bash scripts/gpu.sh OUT
+# moe-decode-route` a decode step; set it in the process before the model is built, as GEMV_MAX_TOKENS.
+FUSED_DECODE_ROUTE = False
 
 
 def capturing(x: torch.Tensor) -> bool:
@@ -47,6 +57,16 @@ def choose_path(x: torch.Tensor, experts: Experts) -> str:
     if x.is_cuda and experts.count > EVERY_EXPERT_MAX:
         return "fused"
     return "every" if capturing(x) else "loop"
+
+
+def takes_decode_route(x: torch.Tensor, experts: Experts, router: RouterConfig) -> bool:
+    """Whether `MoE.forward` takes the fused decode route: FUSED_DECODE_ROUTE on, a forward `choose_path`
+    sends to "gemv" (CUDA, up to GEMV_MAX_TOKENS tokens) and a router the Triton router computes."""
+    if not FUSED_DECODE_ROUTE or choose_path(x, experts) != "gemv":
+        return False
+    from kestrel.layers.moe.route_kernels import supports  # Triton is only needed on this route
+
+    return supports(router)
 
 
 def add_hit_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
