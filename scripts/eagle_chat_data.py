@@ -83,17 +83,18 @@ def engine_answers(target: str, prompts: list[list[int]], new_tokens: int, batch
     return out
 
 
-def measure_speculation(target: str, head: Path, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Greedy answers to `prompts` through kestrel's Engine without speculation and with the EAGLE head
-    `head` in each MEASURE_SETTINGS (steps/topk/draft tokens): the accept lengths (mean of the requests'
-    meta spec_accept_length, and committed tokens over verify rounds of all requests together), wall
-    seconds, and whether every output equals the plain greedy one token for token; and the plain greedy
-    answers."""
+def measure_speculation(target: str, head: Path, algorithm: str, prompts: list[list[int]],
+                        new_tokens: int) -> tuple[dict, list[list[int]]]:
+    """Greedy answers to `prompts` through kestrel's Engine without speculation and with the head `head`
+    (`algorithm`: "EAGLE" or "EAGLE3", what the head is) in each MEASURE_SETTINGS (steps/topk/draft
+    tokens): the accept lengths (mean of the requests' meta spec_accept_length, and committed tokens over
+    verify rounds of all requests together), wall seconds, and whether every output equals the plain
+    greedy one token for token; and the plain greedy answers."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
     results, plain = {}, None
     for name, setting in {"plain greedy": None, **MEASURE_SETTINGS}.items():
         spec = {} if setting is None else dict(
-            speculative_algorithm="EAGLE", speculative_draft_model_path=str(head), speculative_num_steps=setting[0],
+            speculative_algorithm=algorithm, speculative_draft_model_path=str(head), speculative_num_steps=setting[0],
             speculative_eagle_topk=setting[1], speculative_num_draft_tokens=setting[2])
         with Engine(model=target, device="cpu", dtype="float32", **spec) as engine:
             started = time.time()

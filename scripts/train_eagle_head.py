@@ -28,6 +28,13 @@ half sampled; the losses count the answer positions only (the prompt is context)
 kestrel's Engine, greedy, on held-out prompts, with and without the head (chain 3/1/4, tree 5/4/8): the
 accept lengths and whether the outputs are the plain greedy ones; then the head's top-1 agreement with
 the target on those greedy answers.
+
+`--variant eagle3` trains an EAGLE-3 head (kestrel.models.llama_eagle.Eagle3Head) on the same data, for
+either kind of target; what differs lives in scripts/eagle3_training.py. The head reads `fc` of three
+target layers' inputs, has its own norm and lm_head over a draft vocabulary (`--draft-vocab-size`, the
+target ids the training answers use most) and learns the target's next-token distribution over that
+vocabulary only (no feature loss), over `--unroll 3` passes by default: passes after the first read the
+head's own output, as drafting does (EAGLE-3's training-time test).
 """
 from __future__ import annotations
 
@@ -40,8 +47,9 @@ import shlex
 import sys
 import sysconfig
 import time
-from pathlib import Path
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -55,12 +63,13 @@ ENDS = {"demo": {"own continuations": 0.12, "features": 0.32, "training": 0.88},
         "chat": {"own continuations": 0.42, "features": 0.55, "training": 0.97}}
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import eagle3_training  # noqa: E402  (the EAGLE-3 head: aux hidden states, draft vocabulary, loss, checkpoint)
 import eagle_chat_data as chat_data_module  # noqa: E402  (prompts, answers and measurement for a chat target)
 import train_demo_model as demo_training  # noqa: E402  (corpus, held-out files, tokenization)
 
 from kestrel.assets import resolve_model_path  # noqa: E402
 from kestrel.models.arch_config import parse_arch_config  # noqa: E402
-from kestrel.models.llama_eagle import EagleHead, TargetParts, load_eagle_head  # noqa: E402
+from kestrel.models.llama_eagle import DraftHead, EagleHead, TargetParts, load_eagle_head  # noqa: E402
 
 
 def log(*parts: object) -> None:
@@ -116,12 +125,14 @@ class DraftChains:
 
 
 def draft_passes(head, tokens: torch.Tensor, feats: torch.Tensor, num_passes: int, logits: bool = True):
-    """tokens [B, L] and the target's features [B, L, H] -> for each pass k = 1..num_passes, the head's
-    (features, logits or None) of shape [B, L - k, ...]. Entry t of pass k is at position t+k-1 and reads
-    token t+k with the target's feature t (k = 1) or pass k-1's entry t (k > 1): it drafts token t+k+1."""
+    """tokens [B, L] and the target's hidden states the head reads [B, L, ...] (`TrainingSet.head_inputs`)
+    -> for each pass k = 1..num_passes, the head's (features, logits or None) of shape [B, L - k, ...].
+    Entry t of pass k is at position t+k-1 and reads token t+k with the target's feature t (k = 1: those
+    hidden states through `project_target_hidden`, as serving reads them) or pass k-1's entry t (k > 1):
+    it drafts token t+k+1."""
     b = tokens.shape[0]
     batch = SimpleNamespace(attn_backend=DraftChains(b))
-    out, inputs = [], feats[:, :-1]
+    out, inputs = [], head.project_target_hidden(feats[:, :-1])
     for k in range(1, num_passes + 1):
         n = tokens.shape[1] - k
         positions = torch.arange(k - 1, k - 1 + n).repeat(b)
@@ -142,46 +153,65 @@ def pass_mask(first: torch.Tensor, lengths: torch.Tensor, k: int, n: int) -> tor
 # ---- data ------------------------------------------------------------------------------------------
 @dataclass
 class TrainingSet:
-    """Right-padded token rows [N, L], the target's features at every position [N, L, H] (float16, to
-    halve memory), each row's first draft root (`first`: the prompt's last position; 0 for corpus
-    windows, where every position is one) and its length."""
+    """Right-padded token rows [N, L], the target's final-normed last hidden state at every position
+    [N, L, H] (its next-token distribution, through its lm_head; EAGLE's feature too), each row's first
+    draft root (`first`: the prompt's last position; 0 for corpus windows, where every position is one)
+    and its length; for EAGLE-3, the inputs of the target layers the head reads [N, L, 3 H] (`aux`).
+    Hidden states are float16, to halve memory; padding is zeros."""
 
     tokens: torch.Tensor
     feats: torch.Tensor
     first: torch.Tensor
     lengths: torch.Tensor
+    aux: torch.Tensor | None = None
+
+    @property
+    def head_inputs(self) -> torch.Tensor:
+        """What the head's first drafting pass reads (`draft_passes`)."""
+        return self.feats if self.aux is None else self.aux
+
+
+def target_states(target, ids: torch.Tensor, mask: torch.Tensor | None, layers: tuple[int, ...] | None):
+    """The target's final-normed last hidden state [B, L, H] and what the head reads: that same state
+    (EAGLE, `layers` None) or the inputs of target layers `layers` (EAGLE-3)."""
+    out = target.model(input_ids=ids, attention_mask=mask, output_hidden_states=layers is not None)
+    last = out.last_hidden_state
+    return last, last if layers is None else eagle3_training.aux_hidden(out.hidden_states, layers)
 
 
 @torch.no_grad()
 def target_features(target, rows: list[list[int]], first: list[int], batch_size: int, clock: Clock, share: float,
-                    pad: int = 0) -> TrainingSet | None:
-    """The target's final-normed last hidden state at every position of each row, rows taken shortest
+                    pad: int = 0, layers: tuple[int, ...] | None = None) -> TrainingSet | None:
+    """The target's hidden states (`TrainingSet`) at every position of each row, rows taken shortest
     first (so a batch pads little); stops when the phase's time share is spent (the set holds the rows
-    it finished; None if none)."""
+    it finished; None if none). `layers`: EAGLE-3's aux layers."""
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
-    done, feats = [], []
+    width, hidden = max(map(len, rows), default=0), target.config.hidden_size
+    # Batches are written into place: no second copy of the largest tensors (EAGLE-3's aux states of a
+    # chat target run to gigabytes). Rows never reached are never written, so their pages stay untouched.
+    tokens = torch.full((len(rows), width), pad)
+    feats = torch.empty(len(rows), width, hidden, dtype=torch.float16)
+    aux = None if layers is None else torch.empty(len(rows), width, len(layers) * hidden, dtype=torch.float16)
+    done = 0
     for i in range(0, len(order), batch_size):
         if clock.left_until(share) <= 0:
             break
         chunk = order[i:i + batch_size]
-        width = max(len(rows[j]) for j in chunk)
-        ids = torch.tensor([rows[j] + [pad] * (width - len(rows[j])) for j in chunk])
-        mask = torch.tensor([[1] * len(rows[j]) + [0] * (width - len(rows[j])) for j in chunk])
-        feats.append(target.model(input_ids=ids, attention_mask=mask).last_hidden_state.half())
-        done += chunk
+        w = max(len(rows[j]) for j in chunk)
+        ids = torch.tensor([rows[j] + [pad] * (w - len(rows[j])) for j in chunk])
+        mask = torch.tensor([[1] * len(rows[j]) + [0] * (w - len(rows[j])) for j in chunk])
+        last, inputs = target_states(target, ids, mask, layers)
+        rows_done = slice(i, i + len(chunk))
+        tokens[rows_done, :w] = ids
+        for dest, value in [(feats, last)] + ([(aux, inputs)] if aux is not None else []):
+            dest[rows_done, :w] = torch.where(mask.bool()[..., None], value, 0).half()
+            dest[rows_done, w:] = 0
+        done += len(chunk)
     if not done:
         return None
-    width = max(len(rows[j]) for j in done)
-    out = TrainingSet(torch.full((len(done), width), pad), torch.zeros(len(done), width, feats[0].shape[-1],
-                                                                        dtype=torch.float16),
-                      torch.tensor([first[j] for j in done]), torch.tensor([len(rows[j]) for j in done]))
-    row = 0
-    for f in feats:
-        for r in range(len(f)):
-            n = len(rows[done[row]])
-            out.tokens[row, :n], out.feats[row, :n] = torch.tensor(rows[done[row]]), f[r, :n]
-            row += 1
-    return out
+    kept, w = order[:done], len(rows[order[done - 1]])  # the longest row done is the last
+    return TrainingSet(tokens[:done, :w], feats[:done, :w], torch.tensor([first[j] for j in kept]),
+                       torch.tensor([len(rows[j]) for j in kept]), None if aux is None else aux[:done, :w])
 
 
 @torch.no_grad()
@@ -200,24 +230,40 @@ def own_continuations(target, stream: torch.Tensor, args, clock: Clock, share: f
 
 
 # ---- training --------------------------------------------------------------------------------------
-def losses(head, lm_head_weight, tokens, feats, first, lengths, noise: torch.Tensor, unroll: int, measure: bool):
-    """Mean (feature smooth-L1, soft cross-entropy) over the answer tokens (pass_mask) drafted in `unroll`
-    passes (each entry learns the target's next feature and next-token distribution); with `measure`,
-    pass 1's top-1 agreement too (an argmax over the vocabulary: only on logged steps)."""
-    total_reg = total_ce = 0.0
-    agree = None
-    passes = draft_passes(head, tokens, torch.cat([feats[:, :-1] + noise, feats[:, -1:]], 1), unroll, logits=False)
-    for k, (pred, _) in enumerate(passes, start=1):
-        mask = pass_mask(first, lengths, k, pred.shape[1])
-        pred, next_feat = pred[mask], feats[:, k:][mask]
+# An objective: (the head's outputs at drafted positions [P, H], the target's final-normed hidden state
+# at the drafted token's position [P, H], measure?) -> (loss terms, with `measure` the top-1 agreement
+# with the target's greedy token, else None). EAGLE-3's: eagle3_training.objective.
+Objective = Callable[[torch.Tensor, torch.Tensor, bool], tuple[dict[str, torch.Tensor], float | None]]
+
+
+def eagle_objective(head: EagleHead, lm_head_weight: torch.Tensor) -> Objective:
+    """EAGLE's terms: the target's next feature (smooth-L1, "reg") and its next-token distribution (soft
+    cross-entropy, "ce")."""
+    def terms(pred: torch.Tensor, next_feat: torch.Tensor, measure: bool) -> tuple[dict, float | None]:
         logits = head.compute_logits(pred)
         with torch.no_grad():
             target_logp = F.log_softmax((next_feat @ lm_head_weight.T).float(), -1)
-            if measure and k == 1:
-                agree = (logits.argmax(-1) == target_logp.argmax(-1)).float().mean().item()
-        total_reg = total_reg + F.smooth_l1_loss(pred.float(), next_feat)
-        total_ce = total_ce - (target_logp.exp() * F.log_softmax(logits.float(), -1)).sum(-1).mean()
-    return total_reg / unroll, total_ce / unroll, agree
+            agree = (logits.argmax(-1) == target_logp.argmax(-1)).float().mean().item() if measure else None
+        return {"reg": F.smooth_l1_loss(pred.float(), next_feat),
+                "ce": -(target_logp.exp() * F.log_softmax(logits.float(), -1)).sum(-1).mean()}, agree
+
+    return terms
+
+
+def losses(head, objective: Objective, tokens, inputs, feats, first, lengths, unroll: int, measure: bool):
+    """Each of `objective`'s terms, averaged over the answer tokens (pass_mask) drafted in `unroll` passes
+    and over the passes; with `measure`, pass 1's top-1 agreement too (an argmax over the vocabulary: only
+    on logged steps). `inputs`: what pass 1 reads (`TrainingSet.head_inputs`), `feats`: the target's
+    final-normed hidden states."""
+    totals, agree = {}, None
+    for k, (pred, _) in enumerate(draft_passes(head, tokens, inputs, unroll, logits=False), start=1):
+        mask = pass_mask(first, lengths, k, pred.shape[1])
+        terms, hits = objective(pred[mask], feats[:, k:][mask], measure and k == 1)
+        if k == 1:
+            agree = hits
+        for name, value in terms.items():
+            totals[name] = totals.get(name, 0.0) + value
+    return {name: total / unroll for name, total in totals.items()}, agree
 
 
 class ThreadPicker:
@@ -240,7 +286,7 @@ class ThreadPicker:
                 self.best = min(self.times, key=self.times.get)
 
 
-def train(head, lm_head_weight, sets, args, clock: Clock, share: float) -> dict:
+def train(head, objective: Objective, sets, args, clock: Clock, share: float) -> dict:
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed + 2)
@@ -258,12 +304,15 @@ def train(head, lm_head_weight, sets, args, clock: Clock, share: float) -> dict:
         rows = torch.randint(0, len(data.tokens), (args.batch_size,), generator=gen)
         length = int(data.lengths[rows].max())  # rows are right-padded: cut the columns no row uses
         clean = data.feats[rows, :length].float()
-        noise = args.feature_noise * torch.randn(clean[:, :-1].shape, generator=gen)  # robustness to own features
+        inputs = clean if data.aux is None else data.aux[rows, :length].float()
+        if args.feature_noise:  # robustness to the head's own features, which drafting reads after pass 1
+            noise = args.feature_noise * torch.randn(inputs[:, :-1].shape, generator=gen)
+            inputs = torch.cat([inputs[:, :-1] + noise, inputs[:, -1:]], 1)
         logged = (step + 1) % args.log_every == 0
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            reg, ce, agree = losses(head, lm_head_weight, data.tokens[rows, :length], clean, data.first[rows],
-                                    data.lengths[rows], noise, args.unroll, logged)
-        loss = args.reg_weight * reg + ce
+            terms, agree = losses(head, objective, data.tokens[rows, :length], inputs, clean, data.first[rows],
+                                  data.lengths[rows], args.unroll, logged)
+        loss = sum(args.reg_weight * value if name == "reg" else value for name, value in terms.items())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -272,7 +321,8 @@ def train(head, lm_head_weight, sets, args, clock: Clock, share: float) -> dict:
         step += 1
         tokens_seen += int((data.lengths[rows] - 1 - data.first[rows]).sum())
         if logged:
-            log(f"  step {step} reg {reg.item():.4f} ce {ce.item():.3f} top-1 {agree:.3f} lr {lr:.2e} "
+            log(f"  step {step} {' '.join(f'{name} {value.item():.4f}' for name, value in terms.items())} "
+                f"top-1 {agree:.3f} lr {lr:.2e} "
                 f"{tokens_seen / (clock.elapsed() - begin):,.0f} positions/s, {threads.best} thread(s), "
                 f"{clock.elapsed():.0f}s")
     torch.set_num_threads(args.threads)
@@ -280,8 +330,9 @@ def train(head, lm_head_weight, sets, args, clock: Clock, share: float) -> dict:
 
 
 # ---- saving and evaluation -------------------------------------------------------------------------
-def public_tensors(head: EagleHead) -> dict[str, torch.Tensor]:
-    """The head's weights under the EAGLE checkpoint names (merged projections split back), in bf16."""
+def public_tensors(head: DraftHead) -> dict[str, torch.Tensor]:
+    """The head's weights under the public checkpoint names (merged projections split back), in bf16;
+    integer buffers (EAGLE-3's d2t) as they are."""
     out = {}
     for name, tensor in head.state_dict().items():
         module_name, _, leaf = name.rpartition(".")
@@ -292,7 +343,16 @@ def public_tensors(head: EagleHead) -> dict[str, torch.Tensor]:
             out[f"{owner}.{part}.{leaf}"] = module.shard(tensor, shard)
         if not parts:
             out[name] = tensor
-    return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in out.items()}
+    return {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).detach().contiguous() for k, v in out.items()}
+
+
+def save_head(head: DraftHead, config: dict, out: Path) -> None:
+    """config.json and model.safetensors in the public layout of the head's variant (EAGLE-3's adds t2d)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = public_tensors(head)
+    save_file(tensors if head.variant == "EAGLE" else eagle3_training.checkpoint_tensors(head, tensors),
+              out / "model.safetensors")
 
 
 @torch.no_grad()
@@ -301,9 +361,9 @@ def agreement(head, lm_head_weight, data: TrainingSet) -> dict:
     for the first and the second drafted token of a chain (the second drafted on the head's own feature)."""
     hits, counts = [0, 0], [0, 0]
     for i in range(0, len(data.tokens), 16):
-        f = data.feats[i:i + 16].float()
-        target_next = (f @ lm_head_weight.T).argmax(-1)  # the target's greedy token after each position
-        for k, (_, logits) in enumerate(draft_passes(head, data.tokens[i:i + 16], f, 2), start=1):
+        target_next = (data.feats[i:i + 16].float() @ lm_head_weight.T).argmax(-1)  # the target's greedy tokens
+        inputs = data.head_inputs[i:i + 16].float()
+        for k, (_, logits) in enumerate(draft_passes(head, data.tokens[i:i + 16], inputs, 2), start=1):
             mask = pass_mask(data.first[i:i + 16], data.lengths[i:i + 16], k, logits.shape[1])
             hits[k - 1] += (logits.argmax(-1) == target_next[:, k:])[mask].sum().item()
             counts[k - 1] += mask.sum().item()
@@ -318,10 +378,10 @@ def chain_accept_length(head, target, prompts: torch.Tensor, new_tokens: int, st
     with the attention serving uses, on tokens equal to the drafted ones wherever those are accepted."""
     out = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=demo_training.PAD)
-    feats = target.model(input_ids=out).last_hidden_state
+    _, inputs = target_states(target, out, None, head.target_hidden_layers)
     # correct[k-1][row][t]: the k-th token drafted for the root at t+1 is demo's greedy token t+k+1.
     correct = [(logits[:, :-1].argmax(-1) == out[:, k + 1:]).tolist()
-               for k, (_, logits) in enumerate(draft_passes(head, out, feats, max(steps)), start=1)]
+               for k, (_, logits) in enumerate(draft_passes(head, out, inputs, max(steps)), start=1)]
     length, result = out.shape[1], {}
     for k in steps:
         rounds = committed = 0
@@ -346,6 +406,30 @@ def head_config(target_config: dict) -> dict:
             **{k: target_config[k] for k in keep if k in target_config}}
 
 
+def new_head(args, target, tok, target_config: dict, sets: list[TrainingSet], layers: tuple[int, ...] | None,
+             train_lm_head: torch.Tensor) -> tuple[DraftHead, Objective, dict, dict]:
+    """The head to train, its objective, its checkpoint config and what to record of it: an EAGLE head,
+    or (`layers` given) an EAGLE-3 head over a draft vocabulary of the answer tokens the loss counts."""
+    config = head_config(target_config)
+    parts = TargetParts(target.model.embed_tokens, lambda h: F.linear(h, train_lm_head))
+    if layers is None:
+        head = EagleHead(parse_arch_config(config), parts, fc_bias=True, max_positions=config["max_position_embeddings"])
+        return head, eagle_objective(head, train_lm_head), config, {}
+    # The drafted tokens: token t+1 of every position t where pass 1 drafts an answer token.
+    counted = torch.cat([s.tokens[:, 1:][pass_mask(s.first, s.lengths, 1, s.tokens.shape[1] - 1)] for s in sets])
+    eos = target_config.get("eos_token_id")
+    special = {*tok.all_special_ids, *(eos if isinstance(eos, list) else [eos] if eos is not None else [])}
+    vocab = eagle3_training.draft_vocab(counted, args.draft_vocab_size, target.config.vocab_size, special)
+    config = eagle3_training.head_config(config, len(vocab), target.config.hidden_size, layers)
+    head = eagle3_training.build_head(config, parts, vocab, target.model.norm.weight, target.lm_head.weight, layers)
+    info = {"draft_vocab_size": len(vocab), "target_hidden_layers": list(layers),
+            "draft_vocab_answer_coverage": round(torch.isin(counted, vocab).float().mean().item(), 4)}
+    log(f"draft vocabulary: {len(vocab):,} of {target.config.vocab_size:,} target ids, "
+        f"{info['draft_vocab_answer_coverage']:.1%} of the {len(counted):,} answer tokens; the head reads the "
+        f"inputs of target layers {list(layers)}")
+    return head, eagle3_training.objective(head, train_lm_head, vocab), config, info
+
+
 # ---- targets ---------------------------------------------------------------------------------------
 def load_target(name: str):
     """`demo` (the bundled model), a GGUF file, a folder holding one, or a Hugging Face folder ->
@@ -363,9 +447,9 @@ def load_target(name: str):
     return str(path), target, AutoTokenizer.from_pretrained(**where), read_hf_config(str(path))
 
 
-def demo_data(target, tok, args, clock: Clock, ends: dict, gen: torch.Generator):
+def demo_data(target, tok, args, clock: Clock, ends: dict, gen: torch.Generator, layers: tuple[int, ...] | None):
     """demo's training sets (its own continuations of corpus prompts; corpus windows) and its held-out
-    windows, and what they hold."""
+    windows, and what they hold. `layers`: EAGLE-3's aux layers (`target_features`)."""
     files, _ = demo_training.collect_corpus(Path(sysconfig.get_paths()["stdlib"]))
     held_out = {f: files.pop(f) for f in demo_training.HELD_OUT}
     names = sorted(files)
@@ -386,7 +470,8 @@ def demo_data(target, tok, args, clock: Clock, ends: dict, gen: torch.Generator)
     log(f"demo's own continuations: {len(own)} x {own.shape[1]} tokens ({clock.elapsed():.0f}s)")
     sets = []
     for label, windows in (("own continuations", own), ("corpus windows", corpus_windows)):
-        data = target_features(target, windows.tolist(), [0] * len(windows), 16, clock, ends["features"])
+        data = target_features(target, windows.tolist(), [0] * len(windows), 16, clock, ends["features"],
+                               layers=layers)
         if data is not None:
             sets.append(data)
         log(f"features: {0 if data is None else len(data.tokens)} {label} ({clock.elapsed():.0f}s)")
@@ -403,9 +488,9 @@ def demo_data(target, tok, args, clock: Clock, ends: dict, gen: torch.Generator)
     return sets, (held_windows, held[prompt_starts[:, None] + torch.arange(48)]), info
 
 
-def chat_data(target_path: str, target, tok, args, clock: Clock, ends: dict):
+def chat_data(target_path: str, target, tok, args, clock: Clock, ends: dict, layers: tuple[int, ...] | None):
     """The target's own answers to chat prompts (scripts/eagle_chat_data.py) as one training set, the
-    held-out prompts, and what they hold."""
+    held-out prompts, and what they hold. `layers`: EAGLE-3's aux layers (`target_features`)."""
     train_prompts, held_prompts = chat_data_module.chat_prompts(args.prompts, args.held_out_prompts, args.seed)
     rows = chat_data_module.chat_ids(tok, train_prompts)
     answered = chat_data_module.engine_answers(target_path, rows, args.gen_tokens, args.gen_batch,
@@ -414,7 +499,8 @@ def chat_data(target_path: str, target, tok, args, clock: Clock, ends: dict):
     log(f"{len(answered)} of {len(rows)} prompts answered by the target, {answer_tokens:,} answer tokens "
         f"({clock.elapsed():.0f}s)")
     first = [len(p) - 1 for p in rows[:len(answered)]]
-    data = target_features(target, answered, first, 16, clock, ends["features"], pad=tok.pad_token_id or 0)
+    data = target_features(target, answered, first, 16, clock, ends["features"], pad=tok.pad_token_id or 0,
+                           layers=layers)
     if data is None:
         raise SystemExit("no features computed within the time budget: raise --time-budget")
     log(f"features: {len(data.tokens)} answers ({clock.elapsed():.0f}s)")
@@ -429,9 +515,11 @@ def chat_data(target_path: str, target, tok, args, clock: Clock, ends: dict):
 def evaluate_chat(shipped, target_path: str, target, lm_head_weight, held_rows, out_dir: Path, args) -> dict:
     """kestrel's engine, greedy, on the held-out prompts: without speculation and with the head (accept
     lengths, outputs equal?); then the head's top-1 agreement on those greedy answers."""
-    measured, plain = chat_data_module.measure_speculation(target_path, out_dir, held_rows, args.measure_tokens)
+    measured, plain = chat_data_module.measure_speculation(target_path, out_dir, shipped.variant, held_rows,
+                                                           args.measure_tokens)
     rows = [p + a for p, a in zip(held_rows, plain)]
-    data = target_features(target, rows, [len(p) - 1 for p in held_rows], 16, Clock(1e9), 1.0)
+    data = target_features(target, rows, [len(p) - 1 for p in held_rows], 16, Clock(1e9), 1.0,
+                           layers=shipped.target_hidden_layers)
     return {**agreement(shipped, lm_head_weight, data), "kestrel_greedy": measured}
 
 
@@ -458,22 +546,43 @@ def parse_args(argv):
     p.add_argument("--batch-size", type=int, default=8, help="windows per training step")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--unroll", type=int, default=1,
-                   help="draft passes trained per step (2: also the second drafted token, on the head's own feature; "
-                        "at this budget 1 scored better: twice the positions)")
-    p.add_argument("--reg-weight", type=float, default=1.0, help="weight of the feature loss (EAGLE: 1)")
-    p.add_argument("--feature-noise", type=float, default=0.05, help="std of noise added to input features")
+    p.add_argument("--variant", choices=("eagle", "eagle3"), default="eagle",
+                   help="the head: EAGLE-1 (served as EAGLE) or EAGLE-3 (served as EAGLE3)")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help=f"eagle3: target ids the head can draft (default {eagle3_training.DEFAULT_DRAFT_VOCAB}, capped "
+                        "at the target's vocabulary, which it then maps one to one)")
+    p.add_argument("--unroll", type=int, default=None,
+                   help="draft passes trained per step (2: also the second drafted token, on the head's own feature). "
+                        "Default: eagle 1 (at this budget 1 scored better than 2: twice the positions), eagle3 3")
+    p.add_argument("--reg-weight", type=float, default=1.0, help="eagle: weight of the feature loss (EAGLE: 1)")
+    p.add_argument("--feature-noise", type=float, default=None,
+                   help="std of noise added to the features pass 1 reads (default: eagle 0.05, eagle3 0: its later "
+                        "passes train on its own features)")
     p.add_argument("--bf16", action="store_true",
                    help="train under bf16 autocast (~1.5x faster on CPUs with AMX / AVX512-BF16)")
     p.add_argument("--log-every", type=int, default=25)
     args = p.parse_args(argv)
-    demo = args.target == "demo"
+    demo, eagle3 = args.target == "demo", args.variant == "eagle3"
     if args.out is None:
         if not demo:
             p.error("--out is required for a target other than demo (and must not be inside the package)")
+        if eagle3:
+            p.error("--out is required for --variant eagle3 (kestrel/assets/demo-eagle holds demo's EAGLE head)")
         args.out = REPO / "kestrel" / "assets" / "demo-eagle"
     if args.gen_tokens is None:
         args.gen_tokens = 96 if demo else 128
+    if args.draft_vocab_size is not None and not eagle3:
+        p.error("--draft-vocab-size is for --variant eagle3 (an EAGLE head drafts over the target's vocabulary)")
+    if args.draft_vocab_size is None and eagle3:
+        args.draft_vocab_size = eagle3_training.DEFAULT_DRAFT_VOCAB
+    if eagle3 and args.draft_vocab_size < 1:
+        p.error(f"--draft-vocab-size must be at least 1, got {args.draft_vocab_size}")
+    if args.unroll is None:
+        args.unroll = 3 if eagle3 else 1
+    if args.unroll < 1:
+        p.error(f"--unroll must be at least 1, got {args.unroll}")
+    if args.feature_noise is None:
+        args.feature_noise = 0.0 if eagle3 else 0.05
     return args
 
 
@@ -490,33 +599,31 @@ def main(argv=None) -> None:
     log(f"command: {command}\nPython {platform.python_version()}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, budget {args.time_budget:.0f}s, target {target_path}")
 
+    # EAGLE-3's head reads these target layers' inputs; EAGLE's the target's last hidden state (None).
+    layers = eagle3_training.aux_layers(target.config.num_hidden_layers) if args.variant == "eagle3" else None
     gen = torch.Generator().manual_seed(args.seed)
     if demo:
-        sets, held, data_info = demo_data(target, tok, args, clock, ends, gen)
+        sets, held, data_info = demo_data(target, tok, args, clock, ends, gen, layers)
     else:
-        sets, held, data_info = chat_data(target_path, target, tok, args, clock, ends)
+        sets, held, data_info = chat_data(target_path, target, tok, args, clock, ends, layers)
 
-    config = head_config(target_config)
     # Under autocast the lm_head would be cast to bf16 at every matmul: cast it once.
     train_lm_head = lm_head_weight.to(torch.bfloat16) if args.bf16 else lm_head_weight
-    train_parts = TargetParts(target.model.embed_tokens, lambda h: F.linear(h, train_lm_head))
-    head = EagleHead(parse_arch_config(config), train_parts, fc_bias=True,
-                     max_positions=config["max_position_embeddings"])
+    head, objective, config, head_info = new_head(args, target, tok, target_config, sets, layers, train_lm_head)
     log(f"head: {sum(p.numel() for p in head.parameters()):,} parameters; training until "
         f"{args.time_budget * ends['training']:.0f}s")
-    trained = train(head, train_lm_head, sets, args, clock, ends["training"])
+    trained = train(head, objective, sets, args, clock, ends["training"])
     parts = TargetParts(target.model.embed_tokens, lambda h: F.linear(h, lm_head_weight).float())
     log(f"trained: {trained}")
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(public_tensors(head), args.out / "model.safetensors")
-    shipped = load_eagle_head(args.out, "EAGLE", parts, num_target_layers=target.config.num_hidden_layers,
+    save_head(head, config, args.out)
+    shipped = load_eagle_head(args.out, head.variant, parts, num_target_layers=target.config.num_hidden_layers,
                               max_positions=config["max_position_embeddings"], dtype=torch.float32, device="cpu")
 
     if demo:
         held_windows, prompts = held
-        held_data = target_features(target, held_windows.tolist(), [0] * len(held_windows), 16, clock, 10.0)
+        held_data = target_features(target, held_windows.tolist(), [0] * len(held_windows), 16, clock, 10.0,
+                                    layers=layers)
         results = agreement(shipped, lm_head_weight, held_data)
         log(f"held-out top-1 agreement with demo: {results} ({clock.elapsed():.0f}s)")
         results.update(chain_accept_length(shipped, target, prompts, new_tokens=96, steps=(1, 3, 5)))
@@ -526,8 +633,8 @@ def main(argv=None) -> None:
         log(f"held-out evaluation: {json.dumps(results)} ({clock.elapsed():.0f}s)")
 
     info = {"command": command, "python": platform.python_version(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "target": args.target, "training": trained, **data_info,
-            "evaluation": results, "wall_seconds": round(clock.elapsed(), 1),
+            "threads": torch.get_num_threads(), "target": args.target, "variant": args.variant, **head_info,
+            "training": trained, **data_info, "evaluation": results, "wall_seconds": round(clock.elapsed(), 1),
             "args": {k: str(v) for k, v in vars(args).items()}}
     (args.out / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
     log(f"saved {args.out} in {clock.elapsed():.0f}s")
