@@ -184,6 +184,17 @@ for path in sorted(out.glob("slo_c64_*.json"), key=variant_order) + sorted(out.g
     run, label = path.stem.split("_", 2)[1:]
     print(f"{label:<10} {run:<8} {r['output_tok_per_s']:>9.0f} {r['itl_median_ms']:>8.2f} {r['itl_p99_ms']:>8.2f} "
           f"{r['ttft_median_ms']:>9.1f} {r['ttft_p99_ms']:>9.1f}")
+# The first wave: 64 prompts arrive together; the last of them cannot see its first token before all 64 are
+# prefilled. At a lone request's prefill rate (its prompt tokens over its TTFT, HTTP included) that takes:
+lone_run = json.loads((out / "slo_lone.json").read_text()) if (out / "slo_lone.json").exists() else None
+for path in sorted(out.glob("slo_c64_*.json"), key=variant_order):
+    r = json.loads(path.read_text())
+    if lone_run and "ttft_first_wave_max_ms" in r:
+        rate = lone_run["input_tokens"] / lone_run["num_prompts"] / (lone_run["ttft_median_ms"] / 1e3)
+        wave = r["input_tokens"] / r["num_prompts"] * r["max_concurrency"]
+        print(f"{path.stem.split('_', 2)[2]:<10} first wave: TTFT median {r['ttft_first_wave_median_ms']:.0f} ms, "
+              f"max {r['ttft_first_wave_max_ms']:.0f} ms; its ~{wave:,.0f} prompt tokens at the lone prefill rate "
+              f"({rate:,.0f} tok/s): {wave / rate * 1e3:.0f} ms")
 # The c64 sweep over the target: ITL p99 and output tok/s against it (no target drawn as dashed lines).
 c64 = {path.stem.split("_", 2)[2]: json.loads(path.read_text()) for path in out.glob("slo_c64_*.json")}
 targets = sorted((float(k[3:]), v) for k, v in c64.items() if k.startswith("itl"))
