@@ -30,7 +30,7 @@ class LlamaAttention(nn.Module):
     Under tensor parallelism the layer holds this rank's heads (`attention_heads`)."""
 
     def __init__(self, cfg: ArchConfig, layer_id: int, rotary: RotaryEmbedding, input_size: int | None = None,
-                 parallel: ParallelState = ParallelState()) -> None:
+                 parallel: ParallelState = ParallelState(), kernels: Kernels = Kernels()) -> None:
         super().__init__()
         all_heads, all_kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         heads, kv_heads, _ = attention_heads(all_heads, all_kv_heads, parallel)
@@ -43,6 +43,11 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.fused_qk_norm = None
+        if cfg.qk_norm and kernels.triton_elementwise:  # imported only here: triton is optional
+            from kestrel.layers.fused_triton import head_rmsnorm
+
+            self.fused_qk_norm = head_rmsnorm
         self.head_dim = head_dim
         self.rotary_emb = rotary  # one module shared by all layers; its cache is not in the state dict
         self.attn = AttentionLayer(layer_id, heads, kv_heads, head_dim, head_dim ** -0.5,
@@ -51,7 +56,10 @@ class LlamaAttention(nn.Module):
     def qkv(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The attention call's inputs: q and k normed (Qwen3) and rotated, v."""
         qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:
+        if self.fused_qk_norm is not None:
+            qk = self.fused_qk_norm(qk, self.q_norm.weight, self.k_norm.weight, self.q_size // self.head_dim,
+                                    self.q_norm.eps)
+        elif self.qk_norm:
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
             q = self.q_norm(q.reshape(q.shape[0], -1, self.head_dim)).flatten(1)
             k = self.k_norm(k.reshape(k.shape[0], -1, self.head_dim)).flatten(1)
@@ -84,7 +92,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, layer_id: int, rotary: RotaryEmbedding, kernels: Kernels,
                  parallel: ParallelState, mlp: nn.Module) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id, rotary, parallel=parallel)
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary, parallel=parallel, kernels=kernels)
         self.mlp = mlp
         fused = kernels.triton_elementwise
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton=fused)

@@ -33,3 +33,46 @@ def test_add_rmsnorm_equals_torch(dtype, hidden):
 def test_silu_and_mul_equals_torch(dtype):
     x = torch.randn(5, 2 * 1500, generator=torch.Generator().manual_seed(0)).to(DEVICE, dtype)
     torch.testing.assert_close(SiluAndMul(use_triton=True)(x), SiluAndMul()(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_head_rmsnorm_equals_the_two_torch_norms(dtype, head_dim):
+    """Qwen3's q and k norms in one launch, on the q | k part of a fused qkv output (strided rows)."""
+    from kestrel.layers.fused_triton import head_rmsnorm
+
+    gen = torch.Generator().manual_seed(head_dim)
+    q_heads, k_heads, rows = 4, 2, 5
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6), RMSNorm(head_dim, 1e-6)
+    q_norm.weight.data, k_norm.weight.data = torch.randn(head_dim, generator=gen), torch.randn(head_dim, generator=gen)
+    q_norm, k_norm = q_norm.to(DEVICE, dtype), k_norm.to(DEVICE, dtype)
+    qkv = (3 * torch.randn(rows, (q_heads + 2 * k_heads) * head_dim, generator=gen)).to(DEVICE, dtype)
+    qk = qkv[:, :(q_heads + k_heads) * head_dim]
+    q, k = qk.split([q_heads * head_dim, k_heads * head_dim], dim=-1)
+    want = torch.cat([q_norm(q.reshape(rows, -1, head_dim)).flatten(1), k_norm(k.reshape(rows, -1, head_dim)).flatten(1)], -1)
+    got = head_rmsnorm(qk, q_norm.weight, k_norm.weight, q_heads, 1e-6)
+    torch.testing.assert_close(got, want)
+    assert not torch.equal(got[:, :head_dim], head_rmsnorm(qk, k_norm.weight, q_norm.weight, q_heads, 1e-6)[:, :head_dim])
+
+
+def test_qwen3_attention_takes_the_fused_head_norm_with_triton_elementwise():
+    from kestrel.layers.kernels import Kernels
+    from kestrel.layers.rotary import RotaryEmbedding
+    from kestrel.models.arch_config import parse_arch_config
+    from kestrel.models.llama import LlamaAttention
+
+    cfg = parse_arch_config({"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+                             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                             "num_hidden_layers": 1, "vocab_size": 100, "rms_norm_eps": 1e-6,
+                             "max_position_embeddings": 64})
+    assert cfg.qk_norm
+    torch.manual_seed(0)
+    rotary = RotaryEmbedding(cfg.head_dim, 64, cfg.rope)
+    plain, fused = LlamaAttention(cfg, 0, rotary), LlamaAttention(cfg, 0, rotary, kernels=Kernels(triton_elementwise=True))
+    for module in (plain, fused):
+        for param in module.parameters():
+            param.data = torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel()))
+    assert fused.fused_qk_norm is not None and plain.fused_qk_norm is None
+    hidden, positions = torch.randn(3, 64), torch.tensor([0, 5, 9])
+    for got, want in zip(fused.qkv(positions, hidden), plain.qkv(positions, hidden)):
+        torch.testing.assert_close(got, want)
