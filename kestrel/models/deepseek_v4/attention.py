@@ -16,17 +16,17 @@ from kestrel.models.deepseek_v4.rope import V4Rope
 
 
 class V4Attention(nn.Module):
-    def __init__(self, cfg: V4Config, layer_id: int, ratio: int) -> None:
+    def __init__(self, cfg: V4Config, layer_id: int, ratio: int, fused_norms: bool = False) -> None:
         super().__init__()
         self.layer_id, self.ratio = layer_id, ratio
         self.heads, self.head_dim, self.groups = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
         self.window, self.eps = cfg.sliding_window, cfg.rms_norm_eps
         self.scale = self.head_dim ** -0.5  # no YaRN mscale (docs/design/deepseek-v4.md §2.1)
         self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, use_triton=fused_norms)
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.heads * self.head_dim, bias=False)
         self.wkv = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
-        self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, use_triton=fused_norms)
         # wo_a is G blocks [o_lora, H*D/G] stacked on the output dim, DeepSeek's layout.
         self.wo_a = nn.Linear(self.heads * self.head_dim // self.groups, self.groups * cfg.o_lora_rank, bias=False)
         self.wo_b = nn.Linear(self.groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)

@@ -40,13 +40,16 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def __init__(self, cfg: V4Config, kernels: Kernels = Kernels(), parallel: ParallelState = ParallelState()) -> None:
         super().__init__(cfg, parallel)
-        del kernels  # V4 runs its own torch ops; the fused Llama kernels do not apply
+        # V4 runs its own torch ops but for the RMSNorms over [T, width] rows: those take the fused Triton
+        # norm on CUDA (`triton_elementwise`), one launch where the torch path takes ~8.
+        fused = kernels.triton_elementwise
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            V4Block(cfg, i, cfg.compress_ratios[i], hash_routing=i < cfg.num_hash_layers, parallel=parallel)
+            V4Block(cfg, i, cfg.compress_ratios[i], hash_routing=i < cfg.num_hash_layers, parallel=parallel,
+                    fused_norms=fused)
             for i in range(cfg.num_hidden_layers))
         hc_site_params(self, "hc_head", cfg, head=True)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton=fused)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPLayer(cfg, parallel) for _ in range(cfg.num_nextn_predict_layers))
 
