@@ -35,6 +35,9 @@
 #   grammar         grammar masks per decode step at batch 64 (tool call, half tool call, JSON schema); needs
 #                   a Llama 3 tokenizer in .tok/llama3 (scripts/llama3_tokenizer.py, tokenizer.json gzipped)
 #   spec            kestrel bench spec demo and llama8b, with a kernel profile of the 5/4/8 round at batch 1
+#   spec-chat       kestrel bench spec chat: a chat model (SPEC_MODEL, e.g. the SmolLM2 GGUF) and its head (SPEC_HEAD,
+#                   SPEC_ALGORITHM, default EAGLE3) on the head's held-out prompts, plain / chain / tree at
+#                   batch 1, 8, 32: measured speedup and accept length
 #   kernels         the FP8 GEMV at M <= 8; decode attention at mixed lengths, bf16 and over an FP8 pool
 #   decode-launch   the decode kernel's launch configurations at 256 x 2048
 #   prefill-attention  the Triton extend kernel and the sdpa backend against torch's SDPA kernels
@@ -301,6 +304,10 @@ from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:
       timeout 280 python3 -m kestrel.cli bench spec demo --json "$OUT/spec_demo.json" 2>&1 | grep -v INFO | tail -12
       timeout 300 python3 -m kestrel.cli bench spec llama8b --json "$OUT/spec_llama8b.json" \
         --profile "$OUT/spec_profile.txt" 2>&1 | grep -v INFO | tail -14 ;;
+    spec-chat)
+      timeout 400 python3 -m kestrel.cli bench spec chat --model "$SPEC_MODEL" \
+        --speculative-algorithm "${SPEC_ALGORITHM:-EAGLE3}" --speculative-draft-model-path "$SPEC_HEAD" \
+        --prompts-file "$SPEC_HEAD/training_info.json" --json "$OUT/spec_chat.json" 2>&1 | grep -v INFO | tail -12 ;;
     kernels)
       timeout 230 python3 -m kestrel.bench.kernels.fp8 --gemv-only --budget 200 2>&1 | tail -40
       timeout 200 python3 -m kestrel.bench.kernels.decode_attention 2>&1 | tail -30

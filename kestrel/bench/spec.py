@@ -4,11 +4,21 @@
     kestrel bench spec llama8b --json spec_llama8b.json    # Llama-3.1-8B shape, dummy weights, EAGLE-3-shaped head
     kestrel bench spec demo --profile round.txt            # also the kernels of 5 rounds at batch 1
     kestrel bench spec --smoke                             # demo on CPU, batch 1 and 2, 8 tokens: checks the code
+    kestrel bench spec chat --model SmolLM2-135M-Instruct.Q4_1.gguf --speculative-algorithm EAGLE3 \
+        --speculative-draft-model-path HEAD --prompts-file HEAD/training_info.json   # a chat model and its head
 
 `demo`: greedy generation of `--output-len` tokens for each `--batch-sizes` of Python prompts (held-out
 stdlib files the demo models never trained on), plain and with each speculative variant (speculation forced
 on at every batch size, so the table shows where it loses), median of `--repeats` timed runs after a
 warm-up; tok/s counts output tokens, L is the mean tokens a verify round commits.
+
+`chat`: a chat model (`--model`) and its EAGLE or EAGLE-3 head (`--speculative-algorithm`,
+`--speculative-draft-model-path`), greedy answers of up to `--output-len` tokens (stopping at the model's
+end of turn, as served) to the prompts of `--prompts-file` (a JSON list of strings, or the
+`held_out_prompts` of the `training_info.json` that scripts/train_eagle_head.py writes beside a head),
+each rendered through the model's chat template and cycled to fill the batch: plain, then the head as a
+3/1/4 chain and a 5/4/8 tree; tok/s counts the tokens generated, and each variant says whether its
+answers equal plain greedy decoding's.
 
 `llama8b` (CUDA): per batch size, the plain decode step and one speculative round (mean wall time of
 engine steps run back to back, as they run in service; also the median synchronised step), and inside the
@@ -38,6 +48,7 @@ from kestrel.bench.common import engine_from_args, now, report, sync
 from kestrel.bench.profile import add_profile_flag, profiled
 from kestrel.cli import add_engine_flags
 from kestrel.core.sampling_params import SamplingParams
+from kestrel.engine.tokenizer import apply_chat_template
 from kestrel.speculative.draft_worker import DraftWorker
 
 HELD_OUT = ["textwrap", "heapq", "bisect", "colorsys", "fractions", "graphlib", "shlex", "string", "sched",
@@ -61,16 +72,20 @@ DEMO_VARIANTS = [
     Variant("STANDALONE demo-draft 3/1/4", dict(speculative_algorithm="STANDALONE",
                                                 speculative_draft_model_path="demo-draft")),
 ]
+CHAT_SHAPES = {"chain 3/1/4": (3, 1, 4), "tree 5/4/8": (5, 4, 8)}  # (steps, topk, draft tokens)
 LLAMA8B_SHAPES = [((3, 1, 4), False), ((5, 4, 8), True), ((5, 4, 16), False)]  # (steps, topk, tokens), profiled
 # Each part's engine flags, used where the command line gives none.
 PART_FLAGS = {
     "demo": dict(model="demo", device="cuda", dtype="bfloat16", max_running_requests=64, cuda_graph_max_bs=64,
                  disable_radix_cache=True, max_total_tokens=100_000),
+    "chat": dict(device="cuda", dtype="bfloat16", max_running_requests=64, cuda_graph_max_bs=64,
+                 disable_radix_cache=True),
     "llama8b": dict(model="kestrel/assets/configs/llama-3.1-8b", load_format="dummy", device="cuda",
                     dtype="bfloat16", max_total_tokens=65536, max_running_requests=32, cuda_graph_max_bs=32,
                     disable_radix_cache=True),
 }
 PART_SETTINGS = {"demo": dict(batch_sizes=[1, 8, 32, 64], output_len=128, repeats=3, rounds=20),
+                 "chat": dict(batch_sizes=[1, 8, 32], output_len=128, repeats=3, rounds=20),
                  "llama8b": dict(batch_sizes=[1, 8, 32], output_len=128, repeats=3, rounds=20)}
 SMOKE_FLAGS = dict(device="cpu", dtype="float32", max_total_tokens=8192)
 SMOKE_SETTINGS = dict(batch_sizes=[1, 2], output_len=8, repeats=1, rounds=2)
@@ -127,6 +142,51 @@ def demo(args: argparse.Namespace) -> list[dict]:
                 print(rows[-1], flush=True)
             if variant.profiled and args.profile:
                 profile_rounds(engine, args.profile, args.profile_rounds)
+        del engine
+        free_device()
+    return rows
+
+
+def chat_prompts(path: str, tokenizer) -> list[list[int]]:
+    """The prompts of `path` (a JSON list of strings, or an object with `held_out_prompts`), each as one
+    user turn through the model's chat template, ready for the answer."""
+    data = json.loads(Path(path).read_text())
+    texts = data["held_out_prompts"] if isinstance(data, dict) else data
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise ValueError(f"{path}: expected a non-empty JSON list of prompt strings (or held_out_prompts)")
+    return [apply_chat_template(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+
+
+def chat(args: argparse.Namespace) -> list[dict]:
+    if not (args.speculative_algorithm and args.speculative_draft_model_path and args.prompts_file):
+        raise ValueError("the chat part needs --speculative-algorithm, --speculative-draft-model-path (the head) "
+                         "and --prompts-file")
+    params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0)
+    head = dict(speculative_algorithm=args.speculative_algorithm,
+                speculative_draft_model_path=args.speculative_draft_model_path)
+    variants = [Variant("plain", dict(speculative_algorithm=None, speculative_draft_model_path=None))] + [
+        Variant(f"{args.speculative_algorithm} {name}", speculative(head | dict(
+            speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens)))
+        for name, (steps, topk, tokens) in CHAT_SHAPES.items()]
+    rows, plain = [], {}
+    for variant in variants:
+        with engine_from_args(args, **variant.options) as engine:
+            prompts = chat_prompts(args.prompts_file, engine.tokenizer)
+            for bs in args.batch_sizes:
+                batch = [prompts[i % len(prompts)] for i in range(bs)]
+                seconds, outs = timed_generate(engine, batch, params, args.repeats)
+                tokens = [o.token_ids for o in outs]
+                accept = None
+                if variant.name == "plain":
+                    plain[bs] = (sum(map(len, tokens)) / seconds, tokens)
+                else:
+                    rounds = sum(o.meta["spec_verify_ct"] for o in outs)
+                    accept = sum(o.meta["spec_accept_length"] * o.meta["spec_verify_ct"] for o in outs) / rounds
+                tps = sum(map(len, tokens)) / seconds
+                rows.append(dict(variant=variant.name, batch=bs, tok_s=round(tps, 1), seconds=round(seconds, 3),
+                                 tokens=sum(map(len, tokens)), accept_length=round(accept, 3) if accept else None,
+                                 speedup=round(tps / plain[bs][0], 3), same_as_plain=tokens == plain[bs][1]))
+                print(rows[-1], flush=True)
         del engine
         free_device()
     return rows
@@ -239,14 +299,15 @@ def llama8b(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-PARTS = {"demo": demo, "llama8b": llama8b}
+PARTS = {"demo": demo, "chat": chat, "llama8b": llama8b}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="kestrel bench spec", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", nargs="?", choices=list(PARTS), default="demo",
-                        help="demo (default): the demo model and its drafts; llama8b: an 8B shape, timings only")
+                        help="demo (default): the demo model and its drafts; chat: a chat model and its head on "
+                             "--prompts-file; llama8b: an 8B shape, timings only")
     add_engine_flags(parser)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default: demo 1 8 32 64, "
                                                                                  "llama8b 1 8 32")
@@ -256,6 +317,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile-rounds", type=int, default=5, help="rounds that --profile covers")
     parser.add_argument("--smoke", action="store_true", help="demo on CPU in float32, batch 1 and 2, 8 new tokens, "
                                                              "one repeat: checks the code in a minute")
+    parser.add_argument("--prompts-file", default=None, help="chat: a JSON list of prompts, or a head's "
+                                                             "training_info.json (its held_out_prompts)")
     parser.add_argument("--json", default=None, help="write the rows here")
     add_profile_flag(parser)
     known = parser.parse_known_args(argv)[0]

@@ -251,3 +251,27 @@ def test_kernel_benchmarks_run_their_smoke_mode_on_the_cpu(bench, result, tmp_pa
         assert res["families"]["gpt-oss-20b"]["activation"] == "gpt_oss" and res["families"]["gpt-oss-20b"]["expert_bias"]
         # The whole layer at decode sizes, today's route against the fused decode route (both families' routers).
         assert all(c["layer_ms"] > 0 and c["decode_route_ms"] > 0 and c["decode_route_maxdiff"] < 1e-4 for c in cases)
+
+
+def test_spec_bench_chat_part_times_a_head_on_chat_prompts(tmp_path):
+    """The chat part on the demo model and demo-eagle, CPU: plain, chain and tree rows per batch size, the
+    speculative answers equal plain greedy's, and the prompts come from a head's training_info.json."""
+    import argparse
+
+    from kestrel.bench import spec
+
+    info = tmp_path / "training_info.json"
+    info.write_text(json.dumps({"held_out_prompts": ["Explain recursion.", "What is a list?"]}))
+    out = tmp_path / "chat.json"
+    assert main(["bench", "spec", "chat", "--model", "demo", "--speculative-algorithm", "EAGLE",
+                 "--speculative-draft-model-path", "demo-eagle", "--prompts-file", str(info), "--device", "cpu",
+                 "--dtype", "float32", "--batch-sizes", "1", "3", "--output-len", "8", "--repeats", "1",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["batch"]) for r in rows] == [(v, b) for v in ("plain", "EAGLE chain 3/1/4",
+                                                                           "EAGLE tree 5/4/8") for b in (1, 3)]
+    assert all(r["same_as_plain"] and r["tokens"] > 0 for r in rows)
+    assert all(r["accept_length"] >= 1 for r in rows if r["variant"] != "plain")
+    with pytest.raises(ValueError, match="prompts-file"):
+        spec.chat(argparse.Namespace(speculative_algorithm="EAGLE", speculative_draft_model_path="demo-eagle",
+                                     prompts_file=None))
