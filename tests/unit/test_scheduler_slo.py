@@ -186,19 +186,21 @@ def test_kv_pressure_retracts_the_lowest_priority_first():
     assert all(len(r.output_ids) == 60 for r in reqs)
 
 
-def graph_device_seconds(shape: StepShape) -> float:
+def graph_device_seconds(shape: StepShape, launch_s: float = 5.5e-3) -> float:
     """A GPU-like device (an 8B model on an H100, docs/benchmarks.md): decode steps replay CUDA graphs
     (4.9 ms of weights, 40 us per 1k context tokens); a step that prefills launches its kernels from
-    the host, 5.5 ms whatever its size, then 16 us a prefill token."""
+    the host, `launch_s` whatever its size (eager on the H100: ~5.5 ms), then 16 us a prefill token."""
     seconds = 4.9e-3 + 5e-6 * shape.decodes + 4e-5 * shape.context_tokens / 1024
     if shape.prefill_tokens:
-        seconds += 5.5e-3 + 1.6e-5 * shape.prefill_tokens
+        seconds += launch_s + 1.6e-5 * shape.prefill_tokens
     return seconds
 
 
-def closed_loop(itl_target_ms: float | None, requests: int = 160, streams: int = 32) -> tuple[float, list[float]]:
+def closed_loop(itl_target_ms: float | None, requests: int = 160, streams: int = 32,
+                launch_s: float = 5.5e-3) -> tuple[float, list[float]]:
     """`streams` clients each sending a new request (800-1,200 random prompt tokens, 400-600 out) as its
-    last one finishes, mixed chunks, on `graph_device_seconds` -> (output tokens per second, the gaps)."""
+    last one finishes, mixed chunks, on `graph_device_seconds` -> (output tokens per second, the gaps).
+    (docs/benchmarks.md quotes it at 64 streams and 320 requests, the H100 serving run's shape.)"""
     import random
     rng = random.Random(0)
     driver = SchedulerDriver(400_000, context_length=4096, max_requests=256, chunked_prefill_size=8192,
@@ -207,7 +209,7 @@ def closed_loop(itl_target_ms: float | None, requests: int = 160, streams: int =
     driver.scheduler.clock = driver.scheduler.policy.clock = lambda: now
     for prompt, decodes in ((32, 0), (128, 1), (512, 2), (2048, 3), (0, 4), (0, 4), (0, 4), (0, 4)):
         shape = StepShape(decodes, 1000 * decodes, prompt, prefill_pairs(prompt, 0), int(prompt > 0))
-        driver.scheduler.cost.observe(shape, graph_device_seconds(shape))  # the start-up profile
+        driver.scheduler.cost.observe(shape, graph_device_seconds(shape, launch_s))  # the start-up profile
 
     def send() -> None:
         rid = f"r{len(wanted)}"
@@ -220,8 +222,9 @@ def closed_loop(itl_target_ms: float | None, requests: int = 160, streams: int =
     while driver.scheduler.has_work():
         launched = driver.launch()
         shape = StepShape.of(launched.batch)
-        now += graph_device_seconds(shape)
-        driver.scheduler.cost.observe(shape, graph_device_seconds(shape))
+        seconds = graph_device_seconds(shape, launch_s)
+        now += seconds
+        driver.scheduler.cost.observe(shape, seconds)
         driver.resolve(launched)
         for req in launched.sampled:
             times.setdefault(req.rid, []).append(now)
