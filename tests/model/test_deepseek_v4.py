@@ -338,3 +338,23 @@ def test_engine_on_other_shapes_equals_the_reference(name, tmp_path) -> None:
         assert out == seqs[-1][len(prompt):]
     got = V4Harness(reference_model(cfg, weights), 1).logits([seqs[0]])[0]
     torch.testing.assert_close(got, ref.forward(seqs[0], weights, cfg).logits, atol=ATOL, rtol=0)
+
+
+def test_fused_triton_kernels_give_the_torch_forward(model, weights) -> None:
+    """The model with V4's fused kernels (the Triton RMSNorm, rope and head norm that CUDA runs; here
+    through Triton's interpreter) = the torch forward: a prefill, then decode steps."""
+    from kestrel import envs
+    from kestrel.layers.kernels import Kernels
+
+    if not envs.triton_interpret():
+        pytest.skip("the fused kernels run on CPU through TRITON_INTERPRET=1")
+    fused = DeepseekV4ForCausalLM(parse_v4_config(CFG.native_config()), Kernels(triton_elementwise=True))
+    fused.load_checkpoint(weights.items(), "reference weights")
+    fused.eval()
+    assert fused.layers[0].attn.rope.triton and fused.layers[0].attn_norm.triton_kernel is not None
+    ids = _ids(134, seed=5)  # blocks of both ratios complete in the prefill, C4 ones during decode too
+    logits = []
+    for m in (fused, model):
+        h = V4Harness(m, 1)
+        logits.append(torch.cat([h.logits([ids[:128]])[0]] + [h.logits([[t]])[0] for t in ids[128:]]))
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=0)

@@ -16,23 +16,24 @@ from kestrel.models.deepseek_v4.rope import V4Rope
 
 
 class V4Attention(nn.Module):
-    def __init__(self, cfg: V4Config, layer_id: int, ratio: int, fused_norms: bool = False) -> None:
+    def __init__(self, cfg: V4Config, layer_id: int, ratio: int, fused: bool = False) -> None:
         super().__init__()
         self.layer_id, self.ratio = layer_id, ratio
         self.heads, self.head_dim, self.groups = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
         self.window, self.eps = cfg.sliding_window, cfg.rms_norm_eps
         self.scale = self.head_dim ** -0.5  # no YaRN mscale (docs/design/deepseek-v4.md §2.1)
         self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, use_triton=fused_norms)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, use_triton=fused)
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.heads * self.head_dim, bias=False)
         self.wkv = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
-        self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, use_triton=fused_norms)
+        self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, use_triton=fused)
         # wo_a is G blocks [o_lora, H*D/G] stacked on the output dim, DeepSeek's layout.
         self.wo_a = nn.Linear(self.heads * self.head_dim // self.groups, self.groups * cfg.o_lora_rank, bias=False)
         self.wo_b = nn.Linear(self.groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(self.heads, dtype=torch.float32))
         # One frequency table per layer serves q, kv, the compressed keys, the indexer and the inverse.
         self.rope = V4Rope.for_ratio(cfg, ratio)
+        self.rope.triton = self.fused = fused  # the compressor and the indexer share it
         if ratio:
             self.compressor = Compressor(cfg.hidden_size, self.head_dim, ratio, self.rope, cfg.rms_norm_eps,
                                          state=("comp_kv", "comp_score"), entries="ckv")
@@ -43,7 +44,12 @@ class V4Attention(nn.Module):
         backend = dsv4_backend(batch)
         c_q = self.q_norm(self.wq_a(x))
         q = self.wq_b(c_q).unflatten(-1, (self.heads, self.head_dim))
-        q = q * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + self.eps).to(q.dtype)
+        if self.fused:
+            from kestrel.models.deepseek_v4.triton_ops import head_rms_scale  # triton is optional
+
+            q = head_rms_scale(q, self.eps)
+        else:
+            q = q * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + self.eps).to(q.dtype)
         q = self.rope(q, positions)
         kv = self.rope(self.kv_norm(self.wkv(x)), positions)
         window = backend.window_keys(self.layer_id, kv, self.window)

@@ -18,14 +18,14 @@ class V4Block(nn.Module):
     """Attention and MoE sublayers, each between its own mHC pre/post."""
 
     def __init__(self, cfg: V4Config, layer_id: int, ratio: int, hash_routing: bool,
-                 parallel: ParallelState = ParallelState(), fused_norms: bool = False) -> None:
+                 parallel: ParallelState = ParallelState(), fused: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton=fused_norms)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton=fused_norms)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton=fused)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton=fused)
         hc_site_params(self, "hc_attn", cfg)
         hc_site_params(self, "hc_ffn", cfg)
-        self.attn = V4Attention(cfg, layer_id, ratio, fused_norms)
+        self.attn = V4Attention(cfg, layer_id, ratio, fused)
         self.ffn = v4_moe(cfg, hash_routing, parallel)
 
     def forward(self, X: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -40,13 +40,14 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def __init__(self, cfg: V4Config, kernels: Kernels = Kernels(), parallel: ParallelState = ParallelState()) -> None:
         super().__init__(cfg, parallel)
-        # V4 runs its own torch ops but for the RMSNorms over [T, width] rows: those take the fused Triton
-        # norm on CUDA (`triton_elementwise`), one launch where the torch path takes ~8.
+        # V4 runs its own torch ops but for its norms and rope: on CUDA (`triton_elementwise`) the RMSNorms take
+        # the fused Triton norm and the rope and the attention's head norm V4's kernels (triton_ops.py), one
+        # launch each where torch takes ~8.
         fused = kernels.triton_elementwise
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             V4Block(cfg, i, cfg.compress_ratios[i], hash_routing=i < cfg.num_hash_layers, parallel=parallel,
-                    fused_norms=fused)
+                    fused=fused)
             for i in range(cfg.num_hidden_layers))
         hc_site_params(self, "hc_head", cfg, head=True)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton=fused)
