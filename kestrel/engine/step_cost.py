@@ -14,8 +14,8 @@ launches its kernels from the host (~5 ms for an 8B model on the H100, eager). W
 spreads that fixed cost over the prefill tokens, so that it overestimates large chunks and
 underestimates small ones; chunks sized to a target then come out small and many, each paying the
 fixed cost again (on the H100, a 30 ms target cost 22 % of the c64 output rate). A weight per
-prefilled request was tried and left out: fitted from the few prefill steps seen early, it made the chunk's weights less certain
-and the predicted chunks larger than they turned out.
+prefilled request was tried and left out: fitted from the few prefill steps seen early, it made the
+chunk's weights less certain and the predicted chunks larger than they turned out.
 The fit is least squares over every observed step with non-negative weights (no feature makes a step
 faster), older steps weighing less (FORGETTING per step), so that the model follows the machine (warm
 caches, CUDA graphs, clocks). A weak ridge pulls toward the previous fit, which keeps the system

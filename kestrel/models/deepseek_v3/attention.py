@@ -51,7 +51,7 @@ class V3Attention(nn.Module):
     """forward: positions [T], hidden [T, H] -> [T, H], summed over the ranks."""
 
     def __init__(self, cfg: V3Config, layer_id: int, rotary: RotaryEmbedding, parallel: ParallelState,
-                 fused_norms: bool = False) -> None:
+                 fused: bool = False) -> None:
         super().__init__()
         all_heads = cfg.num_attention_heads
         self.heads = all_heads // parallel.tp_size
@@ -61,11 +61,11 @@ class V3Attention(nn.Module):
             self.q_proj = by_heads(cfg.hidden_size, all_heads, cfg.qk_head_dim, parallel)
         else:
             self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, use_triton=fused_norms)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, use_triton=fused)
             self.q_b_proj = by_heads(cfg.q_lora_rank, all_heads, cfg.qk_head_dim, parallel)
         self.q_lora = cfg.q_lora_rank is not None
         self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, use_triton=fused_norms)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, use_triton=fused)
         self.o_proj = row_parallel_linear(all_heads * cfg.v_head_dim, cfg.hidden_size, False, parallel)
         self.rotary_emb = rotary
         # kv_b_proj (W_UK | W_UV per head) lives on the MLA layer: `self_attn.attn.kv_b_proj`.

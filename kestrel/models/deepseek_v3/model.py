@@ -54,7 +54,7 @@ class V3DecoderLayer(nn.Module):
     def __init__(self, cfg: V3Config, layer_id: int, moe: bool, rotary: RotaryEmbedding, kernels: Kernels,
                  parallel: ParallelState) -> None:
         super().__init__()
-        self.self_attn = V3Attention(cfg, layer_id, rotary, parallel, fused_norms=kernels.triton_elementwise)
+        self.self_attn = V3Attention(cfg, layer_id, rotary, parallel, fused=kernels.triton_elementwise)
         self.mlp = MoE(cfg.moe, parallel) if moe else DenseMLP(cfg, kernels, parallel)
         fused = kernels.triton_elementwise
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton=fused)
