@@ -413,7 +413,8 @@ def new_head(args, target, tok, target_config: dict, sets: list[TrainingSet], la
     config = head_config(target_config)
     parts = TargetParts(target.model.embed_tokens, lambda h: F.linear(h, train_lm_head))
     if layers is None:
-        head = EagleHead(parse_arch_config(config), parts, fc_bias=True, max_positions=config["max_position_embeddings"])
+        head = EagleHead(parse_arch_config(config), parts, fc_bias=True,
+                         max_positions=config["max_position_embeddings"])
         return head, eagle_objective(head, train_lm_head), config, {}
     # The drafted tokens: token t+1 of every position t where pass 1 drafts an answer token.
     counted = torch.cat([s.tokens[:, 1:][pass_mask(s.first, s.lengths, 1, s.tokens.shape[1] - 1)] for s in sets])

@@ -49,10 +49,12 @@ def test_head_rmsnorm_equals_the_two_torch_norms(dtype, head_dim):
     qkv = (3 * torch.randn(rows, (q_heads + 2 * k_heads) * head_dim, generator=gen)).to(DEVICE, dtype)
     qk = qkv[:, :(q_heads + k_heads) * head_dim]
     q, k = qk.split([q_heads * head_dim, k_heads * head_dim], dim=-1)
-    want = torch.cat([q_norm(q.reshape(rows, -1, head_dim)).flatten(1), k_norm(k.reshape(rows, -1, head_dim)).flatten(1)], -1)
+    want = torch.cat([q_norm(q.reshape(rows, -1, head_dim)).flatten(1),
+                      k_norm(k.reshape(rows, -1, head_dim)).flatten(1)], -1)
     got = head_rmsnorm(qk, q_norm.weight, k_norm.weight, q_heads, 1e-6)
     torch.testing.assert_close(got, want)
-    assert not torch.equal(got[:, :head_dim], head_rmsnorm(qk, k_norm.weight, q_norm.weight, q_heads, 1e-6)[:, :head_dim])
+    swapped = head_rmsnorm(qk, k_norm.weight, q_norm.weight, q_heads, 1e-6)
+    assert not torch.equal(got[:, :head_dim], swapped[:, :head_dim])  # the weights are told apart
 
 
 def test_qwen3_attention_takes_the_fused_head_norm_with_triton_elementwise():
@@ -68,7 +70,8 @@ def test_qwen3_attention_takes_the_fused_head_norm_with_triton_elementwise():
     assert cfg.qk_norm
     torch.manual_seed(0)
     rotary = RotaryEmbedding(cfg.head_dim, 64, cfg.rope)
-    plain, fused = LlamaAttention(cfg, 0, rotary), LlamaAttention(cfg, 0, rotary, kernels=Kernels(triton_elementwise=True))
+    plain = LlamaAttention(cfg, 0, rotary)
+    fused = LlamaAttention(cfg, 0, rotary, kernels=Kernels(triton_elementwise=True))
     for module in (plain, fused):
         for param in module.parameters():
             param.data = torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel()))
