@@ -36,9 +36,9 @@ class V4Attention(nn.Module):
         self.rope.triton = self.fused = fused  # the compressor and the indexer share it
         if ratio:
             self.compressor = Compressor(cfg.hidden_size, self.head_dim, ratio, self.rope, cfg.rms_norm_eps,
-                                         state=("comp_kv", "comp_score"), entries="ckv")
+                                         state=("comp_kv", "comp_score"), entries="ckv", fused=fused)
         if ratio == 4:
-            self.indexer = Indexer(cfg, self.rope)
+            self.indexer = Indexer(cfg, self.rope, fused)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         backend = dsv4_backend(batch)

@@ -20,18 +20,19 @@ from kestrel.models.deepseek_v4.rope import V4Rope
 class Compressor(nn.Module):
     """`wkv` (A), `wgate` (Z) and `ape` in float32, as DeepSeek keeps them; entries of width `dim`.
 
-    `state` names the backend's two state rings (kv rows, score rows) and `entries` its BLOCK buffer.
+    `state` names the backend's two state rings (kv rows, score rows) and `entries` its BLOCK buffer;
+    `fused`: the entries' norm as the fused Triton RMSNorm (the model's fused kernels, CUDA).
     """
 
     def __init__(self, hidden_size: int, dim: int, ratio: int, rope: V4Rope, eps: float,
-                 state: tuple[str, str], entries: str) -> None:
+                 state: tuple[str, str], entries: str, fused: bool = False) -> None:
         super().__init__()
         self.ratio, self.dim, self.overlap = ratio, dim, ratio == 4
         width = (2 if self.overlap else 1) * dim
         self.wkv = nn.Linear(hidden_size, width, bias=False, dtype=torch.float32)
         self.wgate = nn.Linear(hidden_size, width, bias=False, dtype=torch.float32)
         self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
-        self.norm = RMSNorm(dim, eps)
+        self.norm = RMSNorm(dim, eps, use_triton=fused)
         self.rope = rope
         self.state, self.entries = state, entries
 

@@ -20,13 +20,13 @@ RATIO = 4
 
 
 class Indexer(nn.Module):
-    def __init__(self, cfg: V4Config, rope: V4Rope) -> None:
+    def __init__(self, cfg: V4Config, rope: V4Rope, fused: bool = False) -> None:
         super().__init__()
         self.heads, self.dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.heads * self.dim, bias=False)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.heads, bias=False)
         self.compressor = Compressor(cfg.hidden_size, self.dim, RATIO, rope, cfg.rms_norm_eps,
-                                     state=("idx_kv", "idx_score"), entries="idx_k")
+                                     state=("idx_kv", "idx_score"), entries="idx_k", fused=fused)
         self.rope = rope
         self.weight_scale = (self.dim * self.heads) ** -0.5
 
