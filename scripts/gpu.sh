@@ -8,7 +8,7 @@
 # The model is the Llama-3.1-8B shape with dummy weights unless a stage says otherwise.
 #
 # Stages:
-#   tests           tests/gpu (TESTS_TIMEOUT, default 420 s)
+#   tests           tests/gpu and the unit tests whose kernels run on CUDA when present (TESTS_TIMEOUT, default 420 s)
 #   cpu-tests       the model and engine tests on this machine's torch / transformers, GPU hidden
 #   one-batch       decode latency at batch 1 and 64, 128 / 128 tokens (ONE_BATCH_BS: the batch sizes)
 #   one-batch-sync  batch 1 without overlap scheduling, to see what the overlap hides
@@ -228,7 +228,9 @@ run_stage() {
   case $1 in
     tests)
       server_deps || return 1
-      timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest tests/gpu -q -p no:cacheprovider -rf --durations=10 2>&1 \
+      # With tests/gpu, the unit tests whose kernels run on CUDA when it is there (bf16 cases included).
+      timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest tests/gpu tests/unit/test_fused_kernels.py \
+        tests/unit/test_dsv4_triton_ops.py tests/unit/test_mla_triton.py -q -p no:cacheprovider -rf --durations=10 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -25 ;;
     cpu-tests)
       CUDA_VISIBLE_DEVICES= timeout 150 python3 -m pytest tests/model tests/e2e/test_engine.py -q -p no:cacheprovider \
