@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kestrel.core.pooling_params import PoolingParams
+from kestrel.hf_config import read_hf_config
 
 _MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
 
@@ -74,10 +75,11 @@ class Scorer:
 
 def read_embedder(model_path: str) -> Embedder:
     folder = Path(model_path)
-    config = _json(folder / "config.json") or {}
+    # A GGUF file (not a folder) holds its config and no sentence-transformers modules.
+    config = (_json(folder / "config.json") if folder.is_dir() else read_hf_config(model_path)) or {}
     text = config.get("text_config") or config
     method, normalize = "last", True
-    modules = _json(folder / "modules.json")
+    modules = _json(folder / "modules.json") if folder.is_dir() else None
     if modules is not None:
         kinds = {m.get("type", "").rsplit(".", 1)[-1]: m for m in modules}
         normalize = "Normalize" in kinds

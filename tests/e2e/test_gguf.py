@@ -127,3 +127,12 @@ def test_a_gguf_file_without_the_gguf_package_says_which_extra_to_install(tmp_pa
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
     with pytest.raises(ValueError, match=r"needs the gguf package: pip install 'kestrel\[gguf\]'"):
         read_hf_config(str(tmp_path))
+
+
+def test_a_gguf_file_path_gives_the_server_its_embedding_width(gguf_folder):
+    """`kestrel serve --model FILE.gguf` (a file, not a folder): the server reads its pooling settings from
+    the file's own config (it failed, reading FILE.gguf/config.json)."""
+    from kestrel.server.pooling_model import read_embedder
+
+    (file,) = gguf_folder.glob("*.gguf")
+    assert read_embedder(str(file)).hidden_size == 576  # SmolLM2-135M
