@@ -48,7 +48,7 @@ GROWTH = 2
 OVERRUN_PRIOR = 1.3  # until OVERRUN_WINDOW steps have been predicted: early CPU steps err by up to 25 %
 OVERRUN_WINDOW = 32
 FEATURES = ("base", "per_decode", "per_1k_context", "prefill_step", "per_1k_prefill", "per_1m_prefill_pairs")
-PREFILL_STEP, PER_1K_PREFILL, PER_1M_PAIRS = 3, 4, 5
+PREFILL_STEP, PER_1K_PREFILL, PER_1M_PAIRS = map(FEATURES.index, ("prefill_step", "per_1k_prefill", "per_1m_prefill_pairs"))
 # Every subset of the features that may have non-zero weights, for the non-negative solve.
 SUPPORTS = [list(s) for n in range(1, len(FEATURES) + 1) for s in itertools.combinations(range(len(FEATURES)), n)]
 
