@@ -9,11 +9,14 @@ drives the engine (`step_deltas`, a new request as soon as one finishes). A toke
 that produced it returns, so TTFT and ITL here are the engine's own share of what a client sees: set
 against the HTTP benchmark, they tell stalls in the engine from stalls on the way to the client. Every
 step is recorded, and the slowest steps are listed with what they held, which names what an ITL tail is
-made of.
+made of. `--cost-trace FILE` writes every step the step-cost model observes (its shape, its measured
+time, what the model predicted before seeing it) and the final fit, with or without an ITL target: the
+data to judge the model's features by.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections import Counter
 
@@ -24,6 +27,7 @@ from kestrel.bench.common import (add_random_dataset_flags, engine_from_args, me
 from kestrel.bench.profile import add_profile_flag, profiled
 from kestrel.cli import add_engine_flags
 from kestrel.core.sampling_params import SamplingParams
+from kestrel.engine.step_cost import FEATURES
 
 
 TOKEN_BUCKETS = (1, 128, 512, 1024, 2048, 4096, 8192, 1 << 30)
@@ -100,19 +104,43 @@ def run(engine, prompts: list[list[int]], out_lens: list[int], concurrency: int)
     }
 
 
+def trace_step_costs(engine) -> list[dict]:
+    """Record each step the engine's step-cost model observes from now on (the model fitted too)."""
+    cost, records = engine.scheduler.cost, []
+    observe = cost.observe
+
+    def traced(shape, seconds: float) -> None:
+        records.append({"decodes": shape.decodes, "context": shape.context_tokens, "prefill": shape.prefill_tokens,
+                        "pairs": shape.prefill_pairs, "prefill_requests": shape.prefill_requests,
+                        "seconds": seconds, "predicted": cost.predict(shape) if cost.fitted else None,
+                        "overrun": cost.overrun})
+        observe(shape, seconds)
+
+    cost.observe = traced
+    engine.loop.timed = True
+    return records
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_flags(parser)
     add_random_dataset_flags(parser, num_prompts=320, input_len=1000, output_len=500, range_ratio=0.2)
     parser.add_argument("--max-concurrency", type=int, default=64, help="requests kept in flight (default 64)")
     parser.add_argument("--json", default=None, help="write the result here")
+    parser.add_argument("--cost-trace", default=None, help="write every step the step-cost model observes here (JSON)")
     add_profile_flag(parser)
     args = parser.parse_args(argv)
     engine = engine_from_args(args)
     prompts, out_lens = random_dataset(args, engine.vocab_size)
     run(engine, *warm_up_workload(args.num_prompts, engine.vocab_size, args.seed), args.max_concurrency)
+    trace = trace_step_costs(engine) if args.cost_trace else None
     with profiled(args.profile, engine):
         result = run(engine, prompts, out_lens, args.max_concurrency)
+    if trace is not None:
+        cost = engine.scheduler.cost
+        with open(args.cost_trace, "w") as f:
+            json.dump({"steps": trace, "features": list(FEATURES), "coef": cost.coef.tolist(),
+                       "overrun": cost.overrun, "model": cost.describe()}, f)
     rows = [(k, v) for k, v in result.items() if not isinstance(v, (list, dict))]
     rows.append(("slowest 1 % of steps, by mode", result["slowest_1pct_by_mode"]))
     rows.append(("piecewise CUDA graph replays, by mode", result["piecewise_graph_replays"]))

@@ -90,8 +90,9 @@ class StepLoop:
         # On the CPU a launch runs the forward before returning, and a step launches one batch: the
         # batch's time is then its step's, from the step's start to its end.
         self._synchronous = self.runner.device.type == "cpu"
-        # Only an ITL target reads the model: without one, no step's shape or time is recorded.
-        self._timed = config.scheduler.itl_target_ms is not None
+        # Only an ITL target reads the model: without one, no step's shape or time is recorded (a
+        # benchmark that traces step costs sets it).
+        self.timed = config.scheduler.itl_target_ms is not None
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None
@@ -130,7 +131,7 @@ class StepLoop:
                 raise self.ranks.fatal(e) from e
             done += self._fail_step(batch, e)
         seconds = self.clock() - start
-        if self._synchronous and self._timed and ran and batch.mode is not ForwardMode.TARGET_VERIFY:
+        if self._synchronous and self.timed and ran and batch.mode is not ForwardMode.TARGET_VERIFY:
             self.scheduler.cost.observe(StepShape.of(batch), seconds)
         if batch is not None and self.hooks:
             info = StepInfo(batch.mode.value, batch.batch_size, batch.num_tokens, seconds,
@@ -195,7 +196,7 @@ class StepLoop:
         if prompt is not None or pooled is not None or prefill_only:
             launched = launched or _Launched([], [], None)
             launched.prompt, launched.pooled, launched.prefill_only = prompt, pooled, prefill_only
-        if self._timed and not self._synchronous:  # timed when it resolves, as every batch in flight is
+        if self.timed and not self._synchronous:  # timed when it resolves, as every batch in flight is
             if launched is None:
                 launched = _Launched([], [], None)
                 launched.done = torch.cuda.Event() if self.runner.device.type == "cuda" else None

@@ -76,6 +76,7 @@ def test_qwen3_attention_takes_the_fused_head_norm_with_triton_elementwise():
         for param in module.parameters():
             param.data = torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel()))
     assert fused.fused_qk_norm is not None and plain.fused_qk_norm is None
-    hidden, positions = torch.randn(3, 64), torch.tensor([0, 5, 9])
+    plain, fused = plain.to(DEVICE), fused.to(DEVICE)
+    hidden, positions = torch.randn(3, 64).to(DEVICE), torch.tensor([0, 5, 9], device=DEVICE)
     for got, want in zip(fused.qkv(positions, hidden), plain.qkv(positions, hidden)):
         torch.testing.assert_close(got, want)

@@ -37,11 +37,10 @@ EVERY_EXPERT_MAX = 16
 GEMV_MAX_TOKENS = 4
 # Whether a forward that takes "gemv" under a router kind of route_kernels.ROUTE_KINDS runs the whole layer as the
 # fused decode route (`MoE.forward_decode`: Triton router, the two GEMVs, one combine kernel; 5 launches where
-# the torch router, "gemv" and the torch combine take ~14). Off until a GPU measures it: each launch it saves
-# costs a few microseconds in a graph, but its router kernels are untuned against cuBLAS and torch's top-k.
-# `python -m kestrel.bench.kernels.moe_paths` times one layer both ways and `bash scripts/gpu.sh OUT
-# moe-decode-route` a decode step; set it in the process before the model is built, as GEMV_MAX_TOKENS.
-FUSED_DECODE_ROUTE = False
+# the torch router, "gemv" and the torch combine take ~14). On the H100 one graphed layer took 0.050 ms
+# instead of 0.077 (Qwen3-30B-A3B, one token) and a batch-4 decode step 7.44 ms instead of 8.69; gpt-oss-20b
+# 8.05 instead of 8.65 (docs/benchmarks.md). Set it in the process before the model is built, as GEMV_MAX_TOKENS.
+FUSED_DECODE_ROUTE = True
 
 
 def capturing(x: torch.Tensor) -> bool:
