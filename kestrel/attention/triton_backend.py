@@ -16,6 +16,12 @@ from kestrel.layers.attention import AttentionLayer
 
 
 SPLIT_MAX_EXTEND = 16  # new tokens per request up to which the extend kernel splits the keys
+# Whether an eager extend whose last requests each have one new token (a MIXED step's decodes, which the
+# scheduler puts after its prefill chunks) sends those to the decode kernel: the extend kernel gives each
+# (request, head) a 64-row query tile and reads a request's keys once per query head, where the decode
+# kernel reads them once per KV head, splits them across programs and wastes no rows. A module constant so
+# that a benchmark can compare both in one process.
+DECODE_KERNEL_FOR_MIXED_DECODES = True
 
 
 class TritonBackend:
@@ -40,6 +46,7 @@ class TritonBackend:
         self._token_rows: torch.Tensor | None = None  # an extend's tokens: their request's row
         self._token_index: torch.Tensor | None = None  # and their index in it (prefix + offset)
         self._sub_steps: dict[int, list] = {}  # sub-step size -> the sub-steps' device tensors
+        self._decode_tail = 0  # an eager extend's last requests that the decode kernel serves (`_tail_of`)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.forward_mode is ForwardMode.DECODE:
@@ -56,6 +63,12 @@ class TritonBackend:
         else:
             self._q_starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
             self._sub_steps = {}
+            self._decode_tail = self._tail_of(batch)
+            if self._decode_tail:
+                kv_heads = self.pools.layout.groups[0].buffers[0].shape[0]
+                self._num_splits = uniform_splits(self._decode_tail, kv_heads)
+                if self.upcast:
+                    self._num_splits = min(self._num_splits, 2)
             if not self._rings:
                 return
             # Device ops with a static output size: a captured verify or draft extend recomputes them.
@@ -82,6 +95,8 @@ class TritonBackend:
                              sinks=layer.sinks, ring=ring or 0)
         elif ring is not None and batch.max_extend > sub_step_tokens(ring, layer.sliding_window):
             self._ring_sub_steps(q, k, v, k_buf, v_buf, out, kv, ring, layer, batch)
+        elif self._decode_tail:
+            self._extend_then_decodes(q, k, v, k_buf, v_buf, out, kv, layer, batch)
         else:
             slots = batch.out_cache_loc if ring is None else ring_slots(self._token_rows, self._token_index, ring)
             store_kv(k, v, k_buf, v_buf, slots, kv.k_scale, kv.v_scale)
@@ -98,6 +113,33 @@ class TritonBackend:
                              block_m=16 if few else 64, num_splits=num_splits, sinks=layer.sinks, ring=ring or 0,
                              positions=batch.positions)
         return out.view(-1, layer.num_heads * layer.head_dim)
+
+    def _tail_of(self, batch: ForwardBatch) -> int:
+        """How many of an eager extend's last requests have one new token each and go to the decode
+        kernel; 0 where the extend kernel serves the whole batch (a captured forward, whose host lengths
+        change between replays; a tree; window rings; no prefill chunk before them)."""
+        lens = batch.extend_lens_cpu
+        if not DECODE_KERNEL_FOR_MIXED_DECODES or lens is None or batch.tree_mask is not None or self._rings:
+            return 0
+        tail = next((i for i, n in enumerate(reversed(lens)) if n != 1), len(lens))
+        return tail if tail < len(lens) and batch.max_extend > SPLIT_MAX_EXTEND else 0
+
+    def _extend_then_decodes(self, q, k, v, k_buf, v_buf, out, kv, layer: AttentionLayer,
+                             batch: ForwardBatch) -> None:
+        """A MIXED step: its prefill chunks through the extend kernel, its decodes (the last `_decode_tail`
+        requests, one token each, the last tokens) through the decode kernel, which stores their K/V."""
+        heads, tail = batch.batch_size - self._decode_tail, self._decode_tail
+        split = q.shape[0] - tail
+        table = self.req_to_token.table
+        store_kv(k[:split], v[:split], k_buf, v_buf, batch.out_cache_loc[:split], kv.k_scale, kv.v_scale)
+        extend_attention(q[:split], k_buf, v_buf, out[:split], table, batch.req_pool_indices[:heads],
+                         batch.prefix_lens[:heads], batch.extend_lens[:heads], self._q_starts[:heads],
+                         batch.max_extend, layer.scaling, layer.sliding_window, self.upcast,
+                         k_scale=kv.k_scale, v_scale=kv.v_scale, sinks=layer.sinks)
+        decode_attention(q[split:], k[split:], v[split:], k_buf, v_buf, out[split:], table,
+                         batch.req_pool_indices[heads:], batch.seq_lens[heads:], batch.out_cache_loc[split:],
+                         layer.scaling, layer.sliding_window, self.upcast, self._num_splits, kv.k_scale,
+                         kv.v_scale, sinks=layer.sinks)
 
     def _ring_sub_steps(self, q, k, v, k_buf, v_buf, out, kv, ring: int, layer: AttentionLayer,
                         batch: ForwardBatch) -> None:

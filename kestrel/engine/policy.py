@@ -26,11 +26,14 @@ from typing import Callable, Iterator
 
 from kestrel.config import SchedulerConfig
 from kestrel.core.request import Request
-from kestrel.engine.step_cost import StepCostModel, StepShape
+from kestrel.engine.step_cost import PREFILL_STEP, StepCostModel, StepShape
 
 # A step's prefill never gets fewer tokens than this (when it gets any), so that prefill progresses
 # even where the decodes alone take the whole ITL target; and the chunk an unfitted model allows.
 MIN_PREFILL_TOKENS = 64
+# Whether a chunk carries at least the tokens that cost as much as a prefilling step's fixed cost
+# (`_smallest_chunk`); a module constant so that a benchmark can compare both in one process.
+AMORTIZE_PREFILL_STEP = True
 # Without a TTFT target, waiting ages a request as if the target were this.
 AGING_WITHOUT_TARGET_S = 2.0
 AGING_TARGETS = 4
@@ -85,7 +88,17 @@ class SchedulePolicy:
                 tokens = self._within_gap(target - gap_spent_s, len(decodes) + 1, context + chunked.seq_len, prefix)
             if tokens < MIN_PREFILL_TOKENS and gap_spent_s > 0:
                 return 0
-        return max(MIN_PREFILL_TOKENS, min(tokens, self.cost.trusted_prefill_tokens))
+        return max(self._smallest_chunk(prefix), min(tokens, self.cost.trusted_prefill_tokens))
+
+    def _smallest_chunk(self, prefix: int) -> int:
+        """The fewest prefill tokens a step that prefills at all carries: where the target leaves room for
+        fewer, chunks that small would each pay a prefilling step's fixed cost for little work, and the
+        prompts would wait ever longer while the running batch drains (on the H100 a 16 ms target halved the
+        c64 output rate that way). So a chunk carries at least the tokens that cost as much as that fixed
+        cost: the step overshoots the target, but prefill keeps at least half its rate."""
+        if not AMORTIZE_PREFILL_STEP:
+            return MIN_PREFILL_TOKENS
+        return max(MIN_PREFILL_TOKENS, self.cost.prefill_tokens_costing(self.cost.coef[PREFILL_STEP], prefix))
 
     def _within_gap(self, seconds: float, decodes: int, context: int, prefix: int) -> int:
         """Prefill tokens of a prefill-only step that, with the decode step after it, fit in `seconds`."""

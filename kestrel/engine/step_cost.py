@@ -146,13 +146,18 @@ class StepCostModel:
         of `decodes` decodes over `context_tokens` is predicted to carry in `seconds`; 0 when the rest
         alone takes longer. (The cost is a quadratic in the tokens: its positive root.)"""
         spare = seconds - self.predict(StepShape(decodes, context_tokens, 0)) - self.coef[PREFILL_STEP]
-        if spare <= 0:
+        return self.prefill_tokens_costing(spare, prefix)
+
+    def prefill_tokens_costing(self, seconds: float, prefix: int = 0) -> int:
+        """The prefill tokens of one request, after `prefix` earlier ones, whose own work (tokens and
+        attention pairs, not the fixed cost of a prefilling step) is predicted to take `seconds`."""
+        if seconds <= 0:
             return 0
         per_pair = self.coef[PER_1M_PAIRS] / 2**20
         linear = self.coef[PER_1K_PREFILL] / 1024 + per_pair * (prefix + 0.5)  # pairs: c x prefix + c (c + 1) / 2
         quadratic = per_pair / 2
         # The root written so that nothing cancels when the quadratic weight is (nearly) 0.
-        return int(2 * spare / (linear + np.sqrt(linear * linear + 4 * quadratic * spare)))
+        return int(2 * seconds / (linear + np.sqrt(linear * linear + 4 * quadratic * seconds)))
 
     def describe(self) -> str:
         weights = ", ".join(f"{name}={value * 1e3:.4g}ms" for name, value in zip(FEATURES, self.coef))
