@@ -26,6 +26,8 @@ LAUNCHES = [
     {"prefill_attention_backend": "triton", "decode_attention_backend": "torch_native"},
     {"prefill_attention_backend": "torch_native", "decode_attention_backend": "triton"},
     {"decode_attention_backend": "triton", "triton_decode_split": "length"},  # chunks of 8 keys on CPU
+    # MIXED steps: their decodes through the decode kernel, their chunks (over 16 tokens) through the extend kernel.
+    {"attention_backend": "triton", "enable_mixed_chunk": True, "chunked_prefill_size": 24},
 ]
 
 
@@ -35,7 +37,7 @@ def test_greedy_tokens_identical_across_split_launches(tiny_model):
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     results = []
     for launch in LAUNCHES:
-        with Engine(model=model, device="cpu", dtype="float32", chunked_prefill_size=16, **launch) as engine:
+        with Engine(model=model, device="cpu", dtype="float32", **{"chunked_prefill_size": 16, **launch}) as engine:
             first = engine.generate(prompt_token_ids=prompts[:2], sampling_params=params)
             second = engine.generate(prompt_token_ids=prompts[2:], sampling_params=params)  # radix hits
             results.append([o.token_ids for o in first + second])
