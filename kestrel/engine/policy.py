@@ -31,8 +31,9 @@ from kestrel.engine.step_cost import PREFILL_STEP, StepCostModel, StepShape
 # A step's prefill never gets fewer tokens than this (when it gets any), so that prefill progresses
 # even where the decodes alone take the whole ITL target; and the chunk an unfitted model allows.
 MIN_PREFILL_TOKENS = 64
-# Whether a chunk carries at least the tokens that cost as much as a prefilling step's fixed cost
-# (`_smallest_chunk`); a module constant so that a benchmark can compare both in one process.
+# Whether a step that cannot meet the ITL target carries the tokens that cost as much as a prefilling step's
+# fixed cost rather than MIN_PREFILL_TOKENS (`_chunk_past_the_target`); a module constant so that a
+# benchmark can compare both in one process.
 AMORTIZE_PREFILL_STEP = True
 # Without a TTFT target, waiting ages a request as if the target were this.
 AGING_WITHOUT_TARGET_S = 2.0
@@ -88,14 +89,17 @@ class SchedulePolicy:
                 tokens = self._within_gap(target - gap_spent_s, len(decodes) + 1, context + chunked.seq_len, prefix)
             if tokens < MIN_PREFILL_TOKENS and gap_spent_s > 0:
                 return 0
-        return max(self._smallest_chunk(prefix), min(tokens, self.cost.trusted_prefill_tokens))
+        if tokens == 0:
+            return self._chunk_past_the_target(prefix)
+        return max(MIN_PREFILL_TOKENS, min(tokens, self.cost.trusted_prefill_tokens))
 
-    def _smallest_chunk(self, prefix: int) -> int:
-        """The fewest prefill tokens a step that prefills at all carries: where the target leaves room for
-        fewer, chunks that small would each pay a prefilling step's fixed cost for little work, and the
-        prompts would wait ever longer while the running batch drains (on the H100 a 16 ms target halved the
-        c64 output rate that way). So a chunk carries at least the tokens that cost as much as that fixed
-        cost: the step overshoots the target, but prefill keeps at least half its rate."""
+    def _chunk_past_the_target(self, prefix: int) -> int:
+        """The chunk of a step that cannot meet the target whatever it carries (the decodes and a
+        prefilling step's fixed cost alone take longer): the tokens whose own work costs as much as that
+        fixed cost. A small chunk would pay the fixed cost again and again for little work, and prompts
+        would wait ever longer while the running batch drains (on the H100, 64-token chunks under a 16 ms
+        target halved the c64 output rate); this one keeps prefill at half its rate or more, and the step
+        overshoots the target as little as that allows."""
         if not AMORTIZE_PREFILL_STEP:
             return MIN_PREFILL_TOKENS
         return max(MIN_PREFILL_TOKENS, self.cost.prefill_tokens_costing(self.cost.coef[PREFILL_STEP], prefix))

@@ -6,6 +6,7 @@ import pytest
 from kestrel.config import SchedulerConfig
 from kestrel.core.request import Request
 from kestrel.core.sampling_params import SamplingParams
+from kestrel.engine import policy as policy_module
 from kestrel.engine.policy import MIN_PREFILL_TOKENS, SchedulePolicy
 from kestrel.engine.step_cost import FEATURES, OVERRUN_PRIOR, OVERRUN_WINDOW, StepCostModel, StepShape, prefill_pairs
 
@@ -130,3 +131,31 @@ def test_a_fixed_cost_of_prefilling_steps_is_fitted_apart_from_the_tokens():
     fits = StepShape(8, 800, tokens, prefill_pairs(tokens, 0), 1)
     more = StepShape(8, 800, tokens + 2, prefill_pairs(tokens + 2, 0), 1)
     assert graph_law(fits) <= 0.03 * 1.01 and graph_law(more) > 0.03 * 0.99
+
+
+def test_a_chunk_carries_at_least_what_the_fixed_cost_of_its_step_costs():
+    """Where the decodes and a prefilling step's fixed cost alone fill the target, a chunk is still sized
+    so that its own work costs as much as that fixed cost (its step overshoots the target), not 64 tokens
+    that each pay the fixed cost again."""
+    def graph_law(shape: StepShape) -> float:
+        return law(shape) + (3e-2 if shape.prefill_tokens else 0.0)
+
+    cost = StepCostModel()
+    shapes = [StepShape(d, 100 * d, 0) for d in (1, 4, 8, 16)] + \
+        [StepShape(4, 400, n, prefill_pairs(n, p), 1) for n in (64, 256) for p in (0, 512)]
+    for shape in shapes * 3:
+        cost.observe(shape, graph_law(shape))
+    cost.refit()
+    cost._overruns.clear()
+    cost._overruns.append(1.0)
+    policy = SchedulePolicy(SchedulerConfig(itl_target_ms=10.0), cost, lambda: 0.0)
+    decodes = [request(f"d{i}", 100, 10) for i in range(16)]  # 6.3 ms of decodes + 30 ms fixed: over 10 ms
+    tokens = policy.prefill_budget(decodes, mixed=True, gap_spent_s=0.0)
+    own = law(chunk(tokens)) - law(chunk(0))  # the chunk's own work
+    assert own == pytest.approx(3e-2, rel=0.05) and tokens > 4 * MIN_PREFILL_TOKENS
+    monkey = policy_module.AMORTIZE_PREFILL_STEP
+    try:
+        policy_module.AMORTIZE_PREFILL_STEP = False  # before: the 64-token floor
+        assert policy.prefill_budget(decodes, mixed=True, gap_spent_s=0.0) == MIN_PREFILL_TOKENS
+    finally:
+        policy_module.AMORTIZE_PREFILL_STEP = monkey
