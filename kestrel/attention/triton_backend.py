@@ -19,9 +19,11 @@ SPLIT_MAX_EXTEND = 16  # new tokens per request up to which the extend kernel sp
 # Whether an eager extend whose last requests each have one new token (a MIXED step's decodes, which the
 # scheduler puts after its prefill chunks) sends those to the decode kernel: the extend kernel gives each
 # (request, head) a 64-row query tile and reads a request's keys once per query head, where the decode
-# kernel reads them once per KV head, splits them across programs and wastes no rows. A module constant so
-# that a benchmark can compare both in one process.
-DECODE_KERNEL_FOR_MIXED_DECODES = True
+# kernel reads them once per KV head, splits them across programs and wastes no rows. Off until a GPU
+# measures it (it adds the decode kernel's launches to every layer of such a step): `bash
+# scripts/cost_trace.sh` times the c64 closed loop both ways. A module constant so that a benchmark can
+# compare both in one process.
+DECODE_KERNEL_FOR_MIXED_DECODES = False
 
 
 class TritonBackend:

@@ -26,8 +26,6 @@ LAUNCHES = [
     {"prefill_attention_backend": "triton", "decode_attention_backend": "torch_native"},
     {"prefill_attention_backend": "torch_native", "decode_attention_backend": "triton"},
     {"decode_attention_backend": "triton", "triton_decode_split": "length"},  # chunks of 8 keys on CPU
-    # MIXED steps: their decodes through the decode kernel, their chunks (over 16 tokens) through the extend kernel.
-    {"attention_backend": "triton", "enable_mixed_chunk": True, "chunked_prefill_size": 24},
 ]
 
 
@@ -37,12 +35,36 @@ def test_greedy_tokens_identical_across_split_launches(tiny_model):
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     results = []
     for launch in LAUNCHES:
-        with Engine(model=model, device="cpu", dtype="float32", **{"chunked_prefill_size": 16, **launch}) as engine:
+        with Engine(model=model, device="cpu", dtype="float32", chunked_prefill_size=16, **launch) as engine:
             first = engine.generate(prompt_token_ids=prompts[:2], sampling_params=params)
             second = engine.generate(prompt_token_ids=prompts[2:], sampling_params=params)  # radix hits
             results.append([o.token_ids for o in first + second])
             assert_pool_full(engine)
     assert all(r == results[0] for r in results[1:])
+
+
+def test_mixed_steps_decodes_through_the_decode_kernel_give_the_same_greedy_tokens(tiny_model, monkeypatch):
+    """MIXED steps through the Triton backend, their decodes through the extend kernel, then through the
+    decode kernel (`DECODE_KERNEL_FOR_MIXED_DECODES`), against torch_native: the same greedy tokens."""
+    from kestrel.attention import triton_backend
+
+    model = tiny_model("qwen2")
+    prompts = prompts_with_shared_prefixes(4, seed=6)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    split_steps = []
+    serve = triton_backend.TritonBackend._extend_then_decodes
+    monkeypatch.setattr(triton_backend.TritonBackend, "_extend_then_decodes",
+                        lambda self, *args: split_steps.append(self._decode_tail) or serve(self, *args))
+    results = []
+    for launch, split in (({}, False), ({"attention_backend": "triton"}, False), ({"attention_backend": "triton"}, True)):
+        monkeypatch.setattr(triton_backend, "DECODE_KERNEL_FOR_MIXED_DECODES", split)
+        # Chunks of 24 tokens: over the 16 up to which the extend kernel splits the keys itself.
+        with Engine(model=model, device="cpu", dtype="float32", chunked_prefill_size=24, enable_mixed_chunk=True,
+                    **launch) as engine:
+            outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+            results.append([o.token_ids for o in outs])
+        assert bool(split_steps) == split
+    assert results[1] == results[0] and results[2] == results[0]
 
 
 def test_triton_rope_matches_torch_rope():

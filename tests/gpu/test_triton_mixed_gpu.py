@@ -23,6 +23,7 @@ def test_mixed_decodes_through_the_decode_kernel_on_cuda(page_size, monkeypatch)
     pools, req_to_token, batch, qkv = paged_batch(prefixes, extends, page_size, gen, mode=ForwardMode.MIXED,
                                                   shape=shape, device="cuda", dtype=torch.bfloat16)
     split_pools, whole_pools = pools.clone(), pools.clone()
+    monkeypatch.setattr(triton_backend, "DECODE_KERNEL_FOR_MIXED_DECODES", True)
     split = run(triton_backend.TritonBackend, split_pools, req_to_token, batch, qkv, layer, upcast=False)
     assert batch.attn_backend._decode_tail == 40
     monkeypatch.setattr(triton_backend, "DECODE_KERNEL_FOR_MIXED_DECODES", False)

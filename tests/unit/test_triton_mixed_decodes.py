@@ -24,7 +24,8 @@ CASES = [  # prefix lens, extend lens, query heads per KV head, sliding window, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
 @pytest.mark.parametrize("prefix, extend, group, window, sinks, tail", CASES)
 def test_mixed_step_decodes_through_the_decode_kernel_match_torch_native(dtype, prefix, extend, group, window,
-                                                                         sinks, tail):
+                                                                         sinks, tail, monkeypatch):
+    monkeypatch.setattr(triton_backend, "DECODE_KERNEL_FOR_MIXED_DECODES", True)
     gen = torch.Generator().manual_seed(sum(prefix) + group)
     if dtype == torch.float32:
         pools = _filled_pools(torch.float32, 1.0, 1.0, gen)
@@ -53,6 +54,7 @@ def test_mixed_step_decodes_through_the_decode_kernel_match_torch_native(dtype, 
 
 def test_without_host_lengths_the_extend_kernel_serves_the_whole_batch(monkeypatch):
     """A captured forward has no host lengths: nothing is split (and the switch turns the split off)."""
+    monkeypatch.setattr(triton_backend, "DECODE_KERNEL_FOR_MIXED_DECODES", True)
     gen = torch.Generator().manual_seed(0)
     batch, r2t = make_batch(ForwardMode.MIXED, [0, 12, 40], [20, 1, 1], gen)
     pools = _filled_pools(torch.float32, 1.0, 1.0, gen)
