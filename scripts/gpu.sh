@@ -30,6 +30,9 @@
 #                   server flags every variant takes (e.g. "--enable-mixed-chunk")
 #   closed-loop     the serving workload in process (kestrel bench closed-loop), one engine per variant in VARIANTS
 #                   (PROMPTS, default 320)
+#   mixed-decodes   the c64 closed loop with mixed chunks and piecewise graphs, a MIXED step's decodes through the
+#                   extend kernel, then through the decode kernel (triton_backend.DECODE_KERNEL_FOR_MIXED_DECODES),
+#                   with every step's shape, time and prediction (scripts/cost_trace.sh); its GPU test. < 4 min
 #   piecewise       lone 400- and 1000-token prefills eager and with piecewise CUDA graphs; the closed loop with
 #                   --enable-mixed-chunk without and with them (and VARIANTS); tests/gpu/test_piecewise_graph_gpu.py
 #   grammar         grammar masks per decode step at batch 64 (tool call, half tool call, JSON schema); needs
@@ -279,6 +282,11 @@ from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:
       slo_table ;;
     closed-loop)
       each_variant closed_loop ;;
+    mixed-decodes)
+      timeout 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_mixed_gpu.py 2>&1 | tail -2
+      TRACE_TIMEOUT=100 bash scripts/cost_trace.sh "$OUT" \
+        "whole||import kestrel.attention.triton_backend as t; t.DECODE_KERNEL_FOR_MIXED_DECODES = False" \
+        "split||import kestrel.attention.triton_backend as t; t.DECODE_KERNEL_FOR_MIXED_DECODES = True" ;;
     piecewise)
       for flags in "" "--enable-piecewise-cuda-graph"; do
         for len in 400 1000; do
