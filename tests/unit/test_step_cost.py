@@ -133,10 +133,10 @@ def test_a_fixed_cost_of_prefilling_steps_is_fitted_apart_from_the_tokens():
     assert graph_law(fits) <= 0.03 * 1.01 and graph_law(more) > 0.03 * 0.99
 
 
-def test_a_chunk_carries_at_least_what_the_fixed_cost_of_its_step_costs():
-    """Where the decodes and a prefilling step's fixed cost alone fill the target, a chunk is still sized
-    so that its own work costs as much as that fixed cost (its step overshoots the target), not 64 tokens
-    that each pay the fixed cost again."""
+def test_a_step_past_the_target_carries_the_chunk_that_costs_its_fixed_cost(monkeypatch):
+    """Where the decodes and a prefilling step's fixed cost alone take longer than the target, the chunk
+    is sized so that its own work costs as much as that fixed cost (its step overshoots the target), not
+    64 tokens that each pay the fixed cost again."""
     def graph_law(shape: StepShape) -> float:
         return law(shape) + (3e-2 if shape.prefill_tokens else 0.0)
 
@@ -153,9 +153,5 @@ def test_a_chunk_carries_at_least_what_the_fixed_cost_of_its_step_costs():
     tokens = policy.prefill_budget(decodes, mixed=True, gap_spent_s=0.0)
     own = law(chunk(tokens)) - law(chunk(0))  # the chunk's own work
     assert own == pytest.approx(3e-2, rel=0.05) and tokens > 4 * MIN_PREFILL_TOKENS
-    monkey = policy_module.AMORTIZE_PREFILL_STEP
-    try:
-        policy_module.AMORTIZE_PREFILL_STEP = False  # before: the 64-token floor
-        assert policy.prefill_budget(decodes, mixed=True, gap_spent_s=0.0) == MIN_PREFILL_TOKENS
-    finally:
-        policy_module.AMORTIZE_PREFILL_STEP = monkey
+    monkeypatch.setattr(policy_module, "AMORTIZE_PREFILL_STEP", False)  # before: the 64-token floor
+    assert policy.prefill_budget(decodes, mixed=True, gap_spent_s=0.0) == MIN_PREFILL_TOKENS

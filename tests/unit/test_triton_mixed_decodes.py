@@ -27,10 +27,7 @@ def test_mixed_step_decodes_through_the_decode_kernel_match_torch_native(dtype, 
                                                                          sinks, tail, monkeypatch):
     monkeypatch.setattr(triton_backend, "DECODE_KERNEL_FOR_MIXED_DECODES", True)
     gen = torch.Generator().manual_seed(sum(prefix) + group)
-    if dtype == torch.float32:
-        pools = _filled_pools(torch.float32, 1.0, 1.0, gen)
-    else:
-        pools = _filled_pools(dtype, 0.75, 0.05, gen)
+    pools = _filled_pools(dtype, *((1.0, 1.0) if dtype == torch.float32 else (0.75, 0.05)), gen)
     batch, r2t = make_batch(ForwardMode.MIXED, prefix, extend, gen)
     heads = KV_HEADS * group
     layer = AttentionLayer(0, heads, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, sliding_window=window, sinks=sinks)
