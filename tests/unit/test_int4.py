@@ -37,6 +37,8 @@ GEMM_CONFIGS = [  # (M, config): defaults (GEMV at M = 1), tl.dot with split K, 
     (3, dict(block_m=16, block_n=32, block_k=16, split_k=3)),
     (20, dict(block_m=16, block_n=64, block_k=128, split_k=2)),
     (4, dict(block_m=4, block_n=16, block_k=64, split_k=2, dot=False)),
+    (1, dict(block_m=1, block_n=16, block_k=64, split_k=2, dot=False, fold_groups=True)),  # 2 tiles a group at 128
+    (3, dict(block_m=4, block_n=32, block_k=128, dot=False, fold_groups=True)),  # 2, 4 groups a tile at 64, 32
 ]
 
 
