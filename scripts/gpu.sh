@@ -32,7 +32,7 @@
 #                   (PROMPTS, default 320)
 #   mixed-decodes   the c64 closed loop with mixed chunks and piecewise graphs, a MIXED step's decodes through the
 #                   extend kernel, then through the decode kernel (triton_backend.DECODE_KERNEL_FOR_MIXED_DECODES),
-#                   with every step's shape, time and prediction (scripts/cost_trace.sh); its GPU test. < 4 min
+#                   with every step's shape, time and prediction (OUT/trace_split_*.json); its GPU test. < 4 min
 #   piecewise       lone 400- and 1000-token prefills eager and with piecewise CUDA graphs; the closed loop with
 #                   --enable-mixed-chunk without and with them (and VARIANTS); tests/gpu/test_piecewise_graph_gpu.py
 #   grammar         grammar masks per decode step at batch 64 (tool call, half tool call, JSON schema); needs
@@ -129,6 +129,17 @@ offline_4k() {  # offline_4k RATIO
   timeout "${OFFLINE_TIMEOUT:-290}" python3 -m kestrel.cli bench offline $LLAMA --num-prompts "${OFFLINE_PROMPTS:-500}" \
     --random-input-len 4096 --random-output-len 2048 --random-range-ratio "$1" \
     --json "$OUT/offline_4096_2048_r$1${OFFLINE_TAG:-}.json" ${OFFLINE_FLAGS:-} 2>&1 | tail -10
+}
+
+traced_closed_loop() {  # traced_closed_loop LABEL PYTHON: the closed loop with mixed chunks and piecewise graphs,
+  # PYTHON run in the process before the engine is built, every step the step-cost model observes in
+  # OUT/trace_LABEL.json (kestrel bench closed-loop --cost-trace)
+  echo "== closed loop $1 ($2)"
+  timeout "${TRACE_TIMEOUT:-200}" python3 -c "import sys
+$2
+from kestrel.bench.closed_loop import main; main(sys.argv[1:])" $LLAMA --enable-mixed-chunk --enable-piecewise-cuda-graph \
+    --num-prompts "${PROMPTS:-320}" --max-concurrency 64 --json "$OUT/closed_$1.json" --cost-trace "$OUT/trace_$1.json" \
+    2>&1 | grep -E "output_tok_per_s|itl_|ttft_p99|step_median|step_p99|GPU forward, MIXED"
 }
 
 closed_loop() {  # closed_loop LABEL FLAGS
@@ -284,9 +295,10 @@ from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:
       each_variant closed_loop ;;
     mixed-decodes)
       timeout 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_mixed_gpu.py 2>&1 | tail -2
-      TRACE_TIMEOUT=100 bash scripts/cost_trace.sh "$OUT" \
-        "whole||import kestrel.attention.triton_backend as t; t.DECODE_KERNEL_FOR_MIXED_DECODES = False" \
-        "split||import kestrel.attention.triton_backend as t; t.DECODE_KERNEL_FOR_MIXED_DECODES = True" ;;
+      for split in False True; do
+        TRACE_TIMEOUT=100 traced_closed_loop "split_$split" \
+          "import kestrel.attention.triton_backend as t; t.DECODE_KERNEL_FOR_MIXED_DECODES = $split"
+      done ;;
     piecewise)
       for flags in "" "--enable-piecewise-cuda-graph"; do
         for len in 400 1000; do

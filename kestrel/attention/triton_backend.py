@@ -21,7 +21,7 @@ SPLIT_MAX_EXTEND = 16  # new tokens per request up to which the extend kernel sp
 # (request, head) a 64-row query tile and reads a request's keys once per query head, where the decode
 # kernel reads them once per KV head, splits them across programs and wastes no rows. Off until a GPU
 # measures it (it adds the decode kernel's launches to every layer of such a step): `bash
-# scripts/cost_trace.sh` times the c64 closed loop both ways. A module constant so that a benchmark can
+# scripts/gpu.sh OUT mixed-decodes` times the c64 closed loop both ways. A module constant so that a benchmark can
 # compare both in one process.
 DECODE_KERNEL_FOR_MIXED_DECODES = False
 
@@ -49,6 +49,7 @@ class TritonBackend:
         self._token_index: torch.Tensor | None = None  # and their index in it (prefix + offset)
         self._sub_steps: dict[int, list] = {}  # sub-step size -> the sub-steps' device tensors
         self._decode_tail = 0  # an eager extend's last requests that the decode kernel serves (`_tail_of`)
+        self._kv_heads = pools.layout.groups[0].buffers[0].shape[0]
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.forward_mode is ForwardMode.DECODE:
@@ -56,21 +57,15 @@ class TritonBackend:
             # stays valid for every replay; a replay uses its padded bucket's split count, which may differ
             # from an eager step's, so the two agree to rounding, not bit for bit. The length-aware plan
             # reads the lengths on the device only, so a replay recomputes it from the step it serves.
-            kv_heads = self.pools.layout.groups[0].buffers[0].shape[0]
-            self._num_splits = uniform_splits(batch.batch_size, kv_heads)
-            if self.upcast:  # the CPU interpreter runs programs one by one: 2 splits test the path without the cost
-                self._num_splits = min(self._num_splits, 2)
+            self._num_splits = self._uniform_splits(batch.batch_size)
             if self.decode_split is not None:  # device ops on the lengths, captured with the graph
-                self._split_plan = length_aware_plan(batch.seq_lens, kv_heads, self.decode_split)
+                self._split_plan = length_aware_plan(batch.seq_lens, self._kv_heads, self.decode_split)
         else:
             self._q_starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
             self._sub_steps = {}
             self._decode_tail = self._tail_of(batch)
             if self._decode_tail:
-                kv_heads = self.pools.layout.groups[0].buffers[0].shape[0]
-                self._num_splits = uniform_splits(self._decode_tail, kv_heads)
-                if self.upcast:
-                    self._num_splits = min(self._num_splits, 2)
+                self._num_splits = self._uniform_splits(self._decode_tail)
             if not self._rings:
                 return
             # Device ops with a static output size: a captured verify or draft extend recomputes them.
@@ -115,6 +110,12 @@ class TritonBackend:
                              block_m=16 if few else 64, num_splits=num_splits, sinks=layer.sinks, ring=ring or 0,
                              positions=batch.positions)
         return out.view(-1, layer.num_heads * layer.head_dim)
+
+    def _uniform_splits(self, batch_size: int) -> int:
+        """The decode kernel's split count for a batch of `batch_size` one-token requests (`uniform_splits`)."""
+        splits = uniform_splits(batch_size, self._kv_heads)
+        # The CPU interpreter runs programs one by one: 2 splits test the path without the cost.
+        return min(splits, 2) if self.upcast else splits
 
     def _tail_of(self, batch: ForwardBatch) -> int:
         """How many of an eager extend's last requests have one new token each and go to the decode
