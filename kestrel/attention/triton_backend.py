@@ -19,11 +19,11 @@ SPLIT_MAX_EXTEND = 16  # new tokens per request up to which the extend kernel sp
 # Whether an eager extend whose last requests each have one new token (a MIXED step's decodes, which the
 # scheduler puts after its prefill chunks) sends those to the decode kernel: the extend kernel gives each
 # (request, head) a 64-row query tile and reads a request's keys once per query head, where the decode
-# kernel reads them once per KV head, splits them across programs and wastes no rows. Off until a GPU
-# measures it (it adds the decode kernel's launches to every layer of such a step): `bash
-# scripts/gpu.sh OUT mixed-decodes` times the c64 closed loop both ways. A module constant so that a benchmark can
+# kernel reads them once per KV head, splits them across programs and wastes no rows. On the H100 (c64
+# closed loop, `bash scripts/gpu.sh OUT mixed-decodes`) a MIXED step of <= 512 new tokens beside 64
+# decodes took 15.0 ms instead of 20.9 (docs/benchmarks.md). A module constant so that a benchmark can
 # compare both in one process.
-DECODE_KERNEL_FOR_MIXED_DECODES = False
+DECODE_KERNEL_FOR_MIXED_DECODES = True
 
 
 class TritonBackend:
@@ -49,6 +49,7 @@ class TritonBackend:
         self._token_index: torch.Tensor | None = None  # and their index in it (prefix + offset)
         self._sub_steps: dict[int, list] = {}  # sub-step size -> the sub-steps' device tensors
         self._decode_tail = 0  # an eager extend's last requests that the decode kernel serves (`_tail_of`)
+        self._tail_rows: tuple[torch.Tensor, ...] = ()  # their pool rows, lengths and new slots
         self._kv_heads = pools.layout.groups[0].buffers[0].shape[0]
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -66,6 +67,12 @@ class TritonBackend:
             self._decode_tail = self._tail_of(batch)
             if self._decode_tail:
                 self._num_splits = self._uniform_splits(self._decode_tail)
+                # Copies, not views: a view starting at an odd row is not 16-byte aligned, and Triton
+                # compiles a kernel per alignment, so views would compile again mid-serving (~0.3 s
+                # steps) where copies reuse the variants the decode graphs' capture compiled.
+                tail, tokens = self._decode_tail, batch.out_cache_loc.shape[0]
+                self._tail_rows = (batch.req_pool_indices[-tail:].clone(), batch.seq_lens[-tail:].clone(),
+                                   batch.out_cache_loc[tokens - tail:].clone())
             if not self._rings:
                 return
             # Device ops with a static output size: a captured verify or draft extend recomputes them.
@@ -119,28 +126,33 @@ class TritonBackend:
 
     def _tail_of(self, batch: ForwardBatch) -> int:
         """How many of an eager extend's last requests have one new token each and go to the decode
-        kernel; 0 where the extend kernel serves the whole batch (a captured forward, whose host lengths
-        change between replays; a tree; window rings; no prefill chunk before them)."""
+        kernel (all of them where every request has one); 0 where the extend kernel serves the whole batch
+        (a captured forward, whose host lengths change between replays; a tree; window rings)."""
         lens = batch.extend_lens_cpu
         if not DECODE_KERNEL_FOR_MIXED_DECODES or lens is None or batch.tree_mask is not None or self._rings:
             return 0
         tail = next((i for i, n in enumerate(reversed(lens)) if n != 1), len(lens))
-        return tail if tail < len(lens) and batch.max_extend > SPLIT_MAX_EXTEND else 0
+        # Whatever the chunk's size, down to every request's one token: a short chunk (<= SPLIT_MAX_EXTEND)
+        # would otherwise take the extend kernel's split variant, which a decode-only workload never
+        # compiles before it comes (a 0.35 s step on the H100).
+        return tail
 
     def _extend_then_decodes(self, q, k, v, k_buf, v_buf, out, kv, layer: AttentionLayer,
                              batch: ForwardBatch) -> None:
-        """A MIXED step: its prefill chunks through the extend kernel, its decodes (the last `_decode_tail`
-        requests, one token each, the last tokens) through the decode kernel, which stores their K/V."""
+        """A MIXED step: its prefill chunks (if any) through the extend kernel, its decodes (the last
+        `_decode_tail` requests, one token each, the last tokens) through the decode kernel, which stores
+        their K/V."""
         heads, tail = batch.batch_size - self._decode_tail, self._decode_tail
         split = q.shape[0] - tail
         table = self.req_to_token.table
-        store_kv(k[:split], v[:split], k_buf, v_buf, batch.out_cache_loc[:split], kv.k_scale, kv.v_scale)
-        extend_attention(q[:split], k_buf, v_buf, out[:split], table, batch.req_pool_indices[:heads],
-                         batch.prefix_lens[:heads], batch.extend_lens[:heads], self._q_starts[:heads],
-                         batch.max_extend, layer.scaling, layer.sliding_window, self.upcast,
-                         k_scale=kv.k_scale, v_scale=kv.v_scale, sinks=layer.sinks)
-        decode_attention(q[split:], k[split:], v[split:], k_buf, v_buf, out[split:], table,
-                         batch.req_pool_indices[heads:], batch.seq_lens[heads:], batch.out_cache_loc[split:],
+        if heads:
+            store_kv(k[:split], v[:split], k_buf, v_buf, batch.out_cache_loc[:split], kv.k_scale, kv.v_scale)
+            extend_attention(q[:split], k_buf, v_buf, out[:split], table, batch.req_pool_indices[:heads],
+                             batch.prefix_lens[:heads], batch.extend_lens[:heads], self._q_starts[:heads],
+                             batch.max_extend, layer.scaling, layer.sliding_window, self.upcast,
+                             k_scale=kv.k_scale, v_scale=kv.v_scale, sinks=layer.sinks)
+        rows, lens, slots = self._tail_rows
+        decode_attention(q[split:], k[split:], v[split:], k_buf, v_buf, out[split:], table, rows, lens, slots,
                          layer.scaling, layer.sliding_window, self.upcast, self._num_splits, kv.k_scale,
                          kv.v_scale, sinks=layer.sinks)
 

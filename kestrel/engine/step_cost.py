@@ -51,6 +51,9 @@ FEATURES = ("base", "per_decode", "per_1k_context", "prefill_step", "per_1k_pref
 PREFILL_STEP, PER_1K_PREFILL, PER_1M_PAIRS = map(FEATURES.index, ("prefill_step", "per_1k_prefill", "per_1m_prefill_pairs"))
 # Every subset of the features that may have non-zero weights, for the non-negative solve.
 SUPPORTS = [list(s) for n in range(1, len(FEATURES) + 1) for s in itertools.combinations(range(len(FEATURES)), n)]
+_SUPPORT_MASKS = np.array([[i in s for i in range(len(FEATURES))] for s in SUPPORTS])
+_PAIRS_IN = _SUPPORT_MASKS[:, :, None] & _SUPPORT_MASKS[:, None, :]
+_OUTSIDE_EYE = np.eye(len(FEATURES)) * ~_SUPPORT_MASKS[:, None, :]
 
 
 @dataclass(frozen=True)
@@ -118,14 +121,14 @@ class StepCostModel:
         ridge = RIDGE * np.diag(self._gram) + RIDGE_FLOOR
         gram = self._gram + np.diag(ridge)
         moment = self._moment + ridge * self.coef
-        best, best_value = np.zeros(len(FEATURES)), 0.0  # every weight 0: the objective's constant part
-        for support in SUPPORTS:
-            free = np.linalg.solve(gram[np.ix_(support, support)], moment[support])
-            value = -float(free @ moment[support])  # the quadratic's value at its optimum, less the constant
-            if free.min() >= 0 and value < best_value:
-                best, best_value = np.zeros(len(FEATURES)), value
-                best[support] = free
-        self.coef = best
+        # Every support's system at once (the engine refits on its own loop): a support's block of the
+        # Gram matrix with the identity on the features outside it, whose weights then come out 0.
+        systems = np.where(_PAIRS_IN, gram, 0.0) + _OUTSIDE_EYE
+        free = np.linalg.solve(systems, np.where(_SUPPORT_MASKS, moment, 0.0)[..., None])[..., 0]
+        values = -(free @ moment)  # the quadratic's value at each optimum, less the constant
+        values[(free < 0).any(axis=1) | (values >= 0)] = np.inf  # every weight 0 scores 0: the fallback
+        best = int(np.argmin(values))
+        self.coef = free[best] if np.isfinite(values[best]) else np.zeros(len(FEATURES))
 
     def predict(self, shape: StepShape) -> float:
         return float(shape.features() @ self.coef)

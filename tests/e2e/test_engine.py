@@ -281,6 +281,32 @@ def test_overlap_schedule_really_launches_ahead(tiny_model):
             assert steps == 4 + (not disable)
 
 
+def test_under_an_itl_target_a_prefilling_step_launches_after_the_tokens_in_flight(tiny_model):
+    """A step that prefills keeps the host for its launch: under an ITL target the batch in flight gives
+    its tokens to the streams first. Without a target the launch goes first (overlap); outputs are alike."""
+    model = tiny_model("llama")
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    outputs = []
+    for target, first in ((None, "launch"), (1e6, "resolve")):
+        with Engine(model=model, device="cpu", dtype="float32", enable_mixed_chunk=True,
+                    itl_target_ms=target) as engine:
+            calls = []
+            for name in ("_launch", "_resolve"):
+                method = getattr(engine.loop, name)
+                setattr(engine.loop, name, lambda *a, _m=method, _n=name: calls.append(_n[1:]) or _m(*a))
+            a = engine.add_request(prompt_token_ids=[5, 6, 7], sampling_params=params)
+            engine.step()
+            engine.step()  # a decodes, its token in flight
+            b = engine.add_request(prompt_token_ids=[9, 8, 7, 6], sampling_params=params)
+            calls.clear()
+            engine.step()  # b's prefill joins a's decode
+            assert calls == [first, "launch" if first == "resolve" else "resolve"]
+            while engine.has_work():
+                engine.step()
+            outputs.append([engine.output(engine.pop(r)).token_ids for r in (a, b)])
+    assert outputs[0] == outputs[1]
+
+
 def test_abort_reaches_a_request_whose_last_token_is_in_flight(tiny_model):
     model = tiny_model("llama")
     with Engine(model=model, device="cpu", dtype="float32") as engine:

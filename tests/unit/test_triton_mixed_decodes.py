@@ -18,6 +18,8 @@ CASES = [  # prefix lens, extend lens, query heads per KV head, sliding window, 
     ([0, 12, 40, 70], [20, 1, 1, 1], 2, None, False, 3),
     ([3, 50, 9, 33, 0], [17, 24, 1, 1, 1], 4, 8, True, 3),
     ([5, 0, 44], [1, 30, 1], 1, None, False, 1),  # a one-token chunk before a long one stays with the extend kernel
+    ([7, 30, 61], [5, 1, 1], 2, None, False, 2),  # a chunk short enough for the extend kernel's split variant
+    ([0, 19, 52, 8], [1, 1, 1, 1], 2, 16, True, 4),  # every request one token (a one-token chunk among decodes)
 ]
 
 
