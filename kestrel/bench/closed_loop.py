@@ -9,9 +9,11 @@ drives the engine (`step_deltas`, a new request as soon as one finishes). A toke
 that produced it returns, so TTFT and ITL here are the engine's own share of what a client sees: set
 against the HTTP benchmark, they tell stalls in the engine from stalls on the way to the client. Every
 step is recorded, and the slowest steps are listed with what they held, which names what an ITL tail is
-made of. `--cost-trace FILE` writes every step the step-cost model observes (its shape, its measured
-time, what the model predicted before seeing it) and the final fit, with or without an ITL target: the
-data to judge the model's features by.
+made of, and where its wall time went on the host (`STEP_PHASES`: a long `launch` is the host's own work, a
+long `resolve` waiting for the device). `--cost-trace FILE` writes every step the step-cost model observes
+(its shape, its measured time, what the model predicted before seeing it), the final fit, with or without
+an ITL target, and every step's phases in order: the data to judge the model's features by, and to tell
+a slow device from a slow host.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from kestrel.bench.common import (add_random_dataset_flags, engine_from_args, me
                                   report, warm_up_workload)
 from kestrel.bench.profile import add_profile_flag, profiled
 from kestrel.cli import add_engine_flags
+from kestrel.core.outputs import STEP_PHASES
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.engine.step_cost import FEATURES
 
@@ -40,13 +43,14 @@ def bucket(tokens_per_request: float, tokens: int) -> str:
 
 
 def run(engine, prompts: list[list[int]], out_lens: list[int], concurrency: int) -> dict:
-    steps: list[tuple[float, str, int, int, float, int]] = []  # end time, mode, requests, new tokens, s, forwards
+    # end time, mode, requests, new tokens, s, forwards, host phases (STEP_PHASES)
+    steps: list[tuple[float, str, int, int, float, int, tuple[float, ...]]] = []
     runner = engine.runner
     if runner.device.type == "cuda":  # the forwards' own GPU time, whatever overlap scheduling hides
         runner.forward_events = []
     engine.add_step_hook(lambda info: steps.append((time.perf_counter(), info.mode.upper(), info.num_reqs,
                                                      info.num_tokens, info.seconds,
-                                                     len(runner.forward_events or ()))))
+                                                     len(runner.forward_events or ()), info.phases)))
     sent: dict[str, float] = {}
     last: dict[str, float] = {}
     ttft: list[float] = []
@@ -79,7 +83,7 @@ def run(engine, prompts: list[list[int]], out_lens: list[int], concurrency: int)
         torch.cuda.synchronize()
         gpu = [s.elapsed_time(e) for s, e in runner.forward_events]
         runner.forward_events = None
-        for (_, mode, reqs, tokens, _, upto), (*_, since) in zip(steps, [(0,) * 6] + steps):
+        for (_, mode, reqs, tokens, _, upto, _), (*_, since, _) in zip(steps, [(0,) * 7] + steps):
             kind = f"{mode} {bucket(tokens / reqs, tokens)} new tokens"
             by_kind.setdefault(kind, []).append(sum(gpu[since:upto]))
     pieces = runner.piecewise_graphs
@@ -99,9 +103,15 @@ def run(engine, prompts: list[list[int]], out_lens: list[int], concurrency: int)
         "piecewise_graph_replays": replays,  # forwards piecewise CUDA graphs served, by mode (warm-up run included)
         "gpu_forward_ms_by_kind": {k: {"steps": len(v), "median": round(median(v), 2), "max": round(max(v), 2)}
                                    for k, v in sorted(by_kind.items())},
-        "slowest_1pct": [{"mode": s[1], "requests": s[2], "new_tokens": s[3], "ms": round(s[4] * ms, 2)}
-                         for s in slow[:20]],
+        "slowest_1pct": [{"mode": s[1], "requests": s[2], "new_tokens": s[3], "ms": round(s[4] * ms, 2),
+                          "host_ms": phases_ms(s[6])} for s in slow[:20]],
+        # Every step in order, for the traces: mode, requests, new tokens, ms, and its phases' ms.
+        "step_timeline": [[s[1], s[2], s[3], round(s[4] * ms, 3), phases_ms(s[6])] for s in steps],
     }
+
+
+def phases_ms(phases: tuple[float, ...]) -> dict[str, float]:
+    return {name: round(t * 1e3, 3) for name, t in zip(STEP_PHASES, phases)}
 
 
 def trace_step_costs(engine) -> list[dict]:
@@ -140,7 +150,9 @@ def main(argv: list[str] | None = None) -> None:
         cost = engine.scheduler.cost
         with open(args.cost_trace, "w") as f:
             json.dump({"steps": trace, "features": list(FEATURES), "coef": cost.coef.tolist(),
-                       "overrun": cost.overrun, "model": cost.describe()}, f)
+                       "overrun": cost.overrun, "model": cost.describe(),
+                       "step_timeline": result["step_timeline"]}, f)
+    result.pop("step_timeline")  # in the trace file only: thousands of rows
     rows = [(k, v) for k, v in result.items() if not isinstance(v, (list, dict))]
     rows.append(("slowest 1 % of steps, by mode", result["slowest_1pct_by_mode"]))
     rows.append(("piecewise CUDA graph replays, by mode", result["piecewise_graph_replays"]))

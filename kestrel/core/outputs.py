@@ -53,3 +53,12 @@ class StepInfo:
     num_tokens: int  # new tokens in the forward
     seconds: float
     num_prefill_tokens: int = 0  # of those, new prompt tokens (prefill chunks)
+    # Where the step's wall time went on the host, in seconds (STEP_PHASES): a phase that waits for the
+    # device shows the device; one that does not shows the host's own work.
+    phases: tuple[float, ...] = ()
+
+
+# The parts of an engine step, in order: the batch in flight resolved before scheduling (when the next
+# batch cannot overlap it), scheduling, launching the new batch (a verify round: the whole round), and
+# the batch in flight resolved after the launch (overlapped).
+STEP_PHASES = ("resolve_first", "schedule", "launch", "resolve")

@@ -107,16 +107,20 @@ class StepLoop:
             self.ranks.check()
         if self.inflight is None:  # the loop may have been idle: nothing to time before now
             self._last_tokens_at = start
+        marks = [start]  # the clock at each phase's end (STEP_PHASES)
         try:
             if self.inflight is not None and (not self._can_overlap() or self._prefill_may_follow()):
                 done += self._resolve()
+            marks.append(self.clock())
             batch = self.scheduler.schedule(self._decode_tokens())
+            marks.append(self.clock())
             launched = None
             if batch is not None and batch.mode is ForwardMode.TARGET_VERIFY:
                 done += self._verify(batch)  # resolved in the round itself; not a shape the model knows
                 self._last_tokens_at = self.clock()
             elif batch is not None:
                 launched = self._launch(batch)
+            marks.append(self.clock())
             if self.inflight is not None:
                 done += self._resolve()
             if launched is not None and launched.forwarded is not None:
@@ -130,12 +134,14 @@ class StepLoop:
                 self._fail_step(batch, e)
                 raise self.ranks.fatal(e) from e
             done += self._fail_step(batch, e)
-        seconds = self.clock() - start
+        marks.append(self.clock())
+        seconds = marks[-1] - start
         if self._synchronous and self.timed and ran and batch.mode is not ForwardMode.TARGET_VERIFY:
             self.scheduler.cost.observe(StepShape.of(batch), seconds)
         if batch is not None and self.hooks:
             info = StepInfo(batch.mode.value, batch.batch_size, batch.num_tokens, seconds,
-                            sum(batch.extend_lens[:batch.num_prefill]))
+                            sum(batch.extend_lens[:batch.num_prefill]),
+                            tuple(b - a for a, b in zip(marks, marks[1:])) if len(marks) == 5 else ())
             for hook in self.hooks:
                 hook(info)
         # A request can get tokens in two phases of one step: while speculating, the previous step's

@@ -307,6 +307,22 @@ def test_under_an_itl_target_a_prefilling_step_launches_after_the_tokens_in_flig
     assert outputs[0] == outputs[1]
 
 
+def test_a_steps_host_phases_add_up_to_its_time(tiny_model):
+    """StepInfo.phases splits each step's wall time into STEP_PHASES, in order, without gaps."""
+    from kestrel.core.outputs import STEP_PHASES
+
+    infos = []
+    with Engine(model=tiny_model("llama"), device="cpu", dtype="float32", enable_mixed_chunk=True) as engine:
+        engine.add_step_hook(infos.append)
+        engine.generate(prompt_token_ids=[[5, 6, 7], [9, 8, 7, 6, 5]],
+                        sampling_params=SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True))
+    assert infos and all(len(i.phases) == len(STEP_PHASES) for i in infos)
+    for info in infos:
+        assert min(info.phases) >= 0 and sum(info.phases) == pytest.approx(info.seconds, abs=1e-9)
+    # Overlapped, a step launches its batch and then resolves the one in flight; the forward runs at launch.
+    assert all(i.phases[2] > i.phases[3] for i in infos if i.mode == "extend")
+
+
 def test_abort_reaches_a_request_whose_last_token_is_in_flight(tiny_model):
     model = tiny_model("llama")
     with Engine(model=model, device="cpu", dtype="float32") as engine:
