@@ -64,6 +64,10 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     fused_quant: bool = True  # False: quantize_activations first (one more launch, no per-program quantizing)
+    # At one row only: the products summed into a [block_n, block_k] float32 tile over the K loop and
+    # reduced across threads once at the end, instead of once per strip (warp shuffles each time).
+    # Unmeasured: the sweep (kestrel/bench/kernels/fp8.py) times it beside the plain GEMV.
+    defer_reduce: bool = False
 
 
 @triton_jit
@@ -152,7 +156,7 @@ def store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_ym
 def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym,
                  stride_pk, stride_pm, split_k, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
                  FUSED_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PARTIAL: tl.constexpr, EXACT_ROUND: tl.constexpr):
+                 PARTIAL: tl.constexpr, EXACT_ROUND: tl.constexpr, DEFER: tl.constexpr):
     # One program: BLOCK_N weight rows x one split of K, for all M tokens at once, so each weight byte is
     # read once per step. No tensor cores: products in float32 registers, tl.sum over each strip. split_k
     # is not a constexpr, so a sweep over it compiles once.
@@ -169,6 +173,8 @@ def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, str
     w_scale_row = W_s + (pid_n * BLOCK_N // 128) * stride_wsn  # BLOCK_N divides 128: one scale row per program
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if DEFER:  # BLOCK_M == 1: per-thread sums over the K loop, one reduction after it
+        acc_k = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for strip in range(lo, hi):
         offs_k = strip * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
@@ -187,10 +193,14 @@ def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, str
         w = tl.load(W + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
                     other=0.0)
         w = w.to(tl.float32)
-        if BLOCK_M == 1:  # batch 1: a 2-D product in the weight tile's own layout, nothing to convert
+        if DEFER:
+            acc_k += w * x
+        elif BLOCK_M == 1:  # batch 1: a 2-D product in the weight tile's own layout, nothing to convert
             acc += tl.sum(w * x, 1)[None, :]
         else:
             acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
+    if DEFER:
+        acc += tl.sum(acc_k, 1)[None, :]
     store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_ym, stride_pk, stride_pm, HAS_BIAS,
                 PARTIAL)
 
@@ -337,6 +347,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor |
     if scaled and (BLOCK % cfg.block_n or cfg.block_k % BLOCK):
         raise ValueError(f"with FP8 weights block_n must divide {BLOCK} and block_k be a multiple of it "
                          f"(whole scale blocks per program and strip), got {cfg.block_n} and {cfg.block_k}")
+    if cfg.defer_reduce and m != 1:
+        raise ValueError(f"defer_reduce is a GEMV option at one row of x (got {m})")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -352,7 +364,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor |
         partial.stride(0), partial.stride(1) if cfg.split_k > 1 else 0, cfg.split_k,
         HAS_BIAS=bias is not None, SCALED=scaled, FUSED_QUANT=cfg.fused_quant, BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIAL=cfg.split_k > 1, EXACT_ROUND=envs.triton_interpret(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DEFER=cfg.defer_reduce, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         sum_splits(partial, y, bias, cfg.split_k)
     return y

@@ -20,6 +20,8 @@ CASES = [  # (M, K, N, GemvConfig fields, x dtype, bias): K, N multiples of neit
     (8, 1000, 72, dict(block_n=8, block_k=256, split_k=2, fused_quant=False), torch.float32, False),
     (8, 260, 100, dict(block_n=64, block_k=128), torch.bfloat16, True),
     (2, 600, 90, None, torch.float32, True),  # default_gemv_config
+    (1, 1000, 72, dict(block_n=8, block_k=128, split_k=3, defer_reduce=True), torch.bfloat16, True),
+    (1, 300, 200, dict(block_n=32, block_k=256, defer_reduce=True, fused_quant=False), torch.float32, False),
 ]
 
 
@@ -70,6 +72,8 @@ def test_gemv_without_scales_is_a_float_matmul():
     x, w, b = torch.randn(3, 300, generator=gen), torch.randn(90, 300, generator=gen), torch.randn(90, generator=gen)
     got = gemv(x, w, None, b, GemvConfig(block_n=32, block_k=64, split_k=2))
     torch.testing.assert_close(got, x @ w.t() + b, atol=1e-4, rtol=1e-5)
+    got = gemv(x[:1], w, None, b, GemvConfig(block_n=32, block_k=64, split_k=2, defer_reduce=True))
+    torch.testing.assert_close(got, x[:1] @ w.t() + b, atol=1e-4, rtol=1e-5)
 
 
 def test_gemv_refuses_what_it_cannot_do():
@@ -80,6 +84,8 @@ def test_gemv_refuses_what_it_cannot_do():
         gemv(x[:1], w, w_scale, config=GemvConfig(block_k=64))
     with pytest.raises(ValueError, match="powers of two"):
         gemv(x[:1], w, w_scale, config=GemvConfig(block_n=24))
+    with pytest.raises(ValueError, match="one row of x"):
+        gemv(x[:2], w, w_scale, config=GemvConfig(defer_reduce=True))
 
 
 def test_default_config_hands_m_up_to_gemv_max_m_to_the_gemv(monkeypatch):

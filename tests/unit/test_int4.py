@@ -39,6 +39,8 @@ GEMM_CONFIGS = [  # (M, config): defaults (GEMV at M = 1), tl.dot with split K, 
     (4, dict(block_m=4, block_n=16, block_k=64, split_k=2, dot=False)),
     (1, dict(block_m=1, block_n=16, block_k=64, split_k=2, dot=False, fold_groups=True)),  # 2 tiles a group at 128
     (3, dict(block_m=4, block_n=32, block_k=128, dot=False, fold_groups=True)),  # 2, 4 groups a tile at 64, 32
+    (1, dict(block_m=1, block_n=16, block_k=64, split_k=2, dot=False, defer_reduce=True)),
+    (1, dict(block_m=1, block_n=32, block_k=128, dot=False, defer_reduce=True)),
 ]
 
 
@@ -55,6 +57,19 @@ def test_triton_int4_gemm_equals_the_dequantised_weight_in_torch(case, m, cfg):
     got = int4_gemm(x, w.qweight, w.zeros, w.scales, w.perm, w.group_size, bias,
                     Int4GemmConfig(**cfg) if cfg else None)
     torch.testing.assert_close(got, x @ deq.t() + bias, atol=2e-5, rtol=1e-5)
+
+
+def test_the_int4_gemm_refuses_options_outside_their_path():
+    pytest.importorskip("triton")
+    from kestrel.layers.int4_gemm_triton import Int4GemmConfig, int4_gemm
+
+    w, _ = packed_weight(CASES[1], 40, 256, seed=0)
+    x = torch.randn(2, 256)
+    for cfg in (Int4GemmConfig(2, 16, 64, dot=False, defer_reduce=True),
+                Int4GemmConfig(16, 16, 64, defer_reduce=True),
+                Int4GemmConfig(1, 16, 64, dot=False, fold_groups=True, defer_reduce=True)):
+        with pytest.raises(ValueError, match="defer_reduce is an option of the plain GEMV at one row"):
+            int4_gemm(x[:1] if cfg.block_m == 1 else x, w.qweight, w.zeros, w.scales, w.perm, w.group_size, config=cfg)
 
 
 def test_merged_layer_takes_each_projection_s_columns_and_checks_their_act_order():

@@ -111,8 +111,8 @@ GEMV_TILES = [(16, 512, 4), (8, 1024, 4), (32, 256, 4), (16, 1024, 8), (32, 512,
 
 
 def gemv_sweep_configs(m: int, n: int, k: int, fp8: bool):
-    """Each GEMV tile at the split rule's count, half and double it; for FP8 also the default config and
-    the default with the activations quantized by a separate launch."""
+    """Each GEMV tile at the split rule's count, half and double it (at M = 1 also with `defer_reduce`);
+    for FP8 also the default config and the default with the activations quantized by a separate launch."""
     from kestrel.layers.fp8_gemm_triton import GemvConfig, default_gemv_config, gemv_split_k
 
     device = torch.device(DEVICE)
@@ -126,6 +126,8 @@ def gemv_sweep_configs(m: int, n: int, k: int, fp8: bool):
         split = gemv_split_k(n, k, bn, bk, device)
         for s in sorted({max(1, split // 2), split, 2 * split}):
             configs.append(GemvConfig(bn, bk, s, warps))
+            if m == 1:  # the reduction across threads once per call instead of once per strip
+                configs.append(GemvConfig(bn, bk, s, warps, defer_reduce=True))
     return list(dict.fromkeys(configs))  # the default may repeat a tile
 
 

@@ -7,7 +7,7 @@ and decode batches: what replaces `default_config` (and GEMV_MAX_M) by measureme
 Shapes (K, N): qkv (4096, 6144), o (4096, 4096), gate_up (4096, 28672), down (14336, 4096), group size 128
 (the AWQ checkpoint's), bf16 activations, random codes, zero points and scales. M = 1, 4, 16, 64. Configs
 (`Int4GemmConfig`): the default, the GEMV (M <= GEMV_LIMIT_M) at each tile of GEMV_TILES and split of
-SPLITS, with and without `fold_groups`, tl.dot at each of DOT_TILES and SPLITS. Each figure is the median over replays of a CUDA graph of
+SPLITS, with and without `fold_groups` (and at M = 1 with `defer_reduce`), tl.dot at each of DOT_TILES and SPLITS. Each figure is the median over replays of a CUDA graph of
 one call per weight copy, copies cycled so that the weights come from HBM, not L2 (as in a decode step).
 Floor: packed weights + scales + zero points, over the measured copy bandwidth
 (kestrel.bench.common.copy_bandwidth); `% floor` = floor / time. `maxdiff`: the largest |y - default's y|
@@ -45,6 +45,9 @@ def sweep_configs(m: int) -> list[Int4GemmConfig]:
     if m <= GEMV_LIMIT_M:
         configs += [Int4GemmConfig(triton_pow2(m), bn, bk, s, dot=False, num_warps=w, fold_groups=fold)
                     for bn, bk, w in GEMV_TILES for s in SPLITS for fold in (False, True)]
+        if m == 1:  # the reduction across threads once per call instead of once per K tile
+            configs += [Int4GemmConfig(1, bn, bk, s, dot=False, num_warps=w, defer_reduce=True)
+                        for bn, bk, w in GEMV_TILES for s in SPLITS]
     bm = min(64, max(16, triton_pow2(m)))
     configs += [Int4GemmConfig(bm, bn, bk, s, dot=True, num_warps=w, num_stages=st)
                 for bn, bk, w, st in DOT_TILES for s in SPLITS]
@@ -108,7 +111,8 @@ def bench_shape(p: dict, shape: str, m: int, weights: list, bandwidth: float | N
 
 
 def short(cfg: dict) -> str:
-    way = "dot" if cfg["dot"] else "gemv-folded" if cfg.get("fold_groups") else "gemv"
+    way = "dot" if cfg["dot"] else "gemv-folded" if cfg.get("fold_groups") else \
+        "gemv-deferred" if cfg.get("defer_reduce") else "gemv"
     return (f"{way} m{cfg['block_m']} n{cfg['block_n']} k{cfg['block_k']} s{cfg['split_k']} "
             f"w{cfg['num_warps']} st{cfg['num_stages']}")
 
