@@ -93,6 +93,7 @@ class StepLoop:
         # Only an ITL target reads the model: without one, no step's shape or time is recorded (a
         # benchmark that traces step costs sets it).
         self.timed = config.scheduler.itl_target_ms is not None
+        self._waiting_held = False  # the last schedule left requests waiting and prefilled nothing
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None
@@ -113,6 +114,9 @@ class StepLoop:
                 done += self._resolve()
             marks.append(self.clock())
             batch = self.scheduler.schedule(self._decode_tokens())
+            # Requests left waiting by a step that prefilled nothing are held back (memory, request
+            # slots): until one leaves, the next steps will not prefill either and keep their overlap.
+            self._waiting_held = bool(self.scheduler.waiting) and (batch is None or batch.num_prefill == 0)
             marks.append(self.clock())
             launched = None
             if batch is not None and batch.mode is ForwardMode.TARGET_VERIFY:
@@ -167,10 +171,12 @@ class StepLoop:
         """Under an ITL target, whether the next batch may prefill: its launch then keeps the host for
         several ms (attention runs eagerly between the graph pieces), and overlapped, the batch in flight
         would give its tokens to the streams only after that launch: on the H100 the gap before a MIXED
-        step came out at the decode step plus the MIXED step (27 ms where each took 9 and 18)."""
+        step came out at the decode step plus the MIXED step (27 ms where each took 9 and 18). Requests
+        held back (the last schedule left them waiting and prefilled nothing) do not count: resolving
+        first costs every step its overlap, and a saturated server would pay it on each one."""
         # The target, not `timed`: a benchmark traces step costs without one and keeps the overlap.
         return self.config.scheduler.itl_target_ms is not None and \
-            (self.scheduler.chunked is not None or bool(self.scheduler.waiting))
+            (self.scheduler.chunked is not None or (bool(self.scheduler.waiting) and not self._waiting_held))
 
     def _decode_tokens(self) -> int:
         """New positions per running request in the next decode step (more than 1: a verify tree)."""

@@ -307,6 +307,32 @@ def test_under_an_itl_target_a_prefilling_step_launches_after_the_tokens_in_flig
     assert outputs[0] == outputs[1]
 
 
+def test_a_request_held_back_by_memory_does_not_cost_the_running_ones_their_overlap(tiny_model):
+    """Under an ITL target a waiting request makes the next step resolve first only while it may be
+    admitted: once a step leaves it waiting and prefills nothing, the steps overlap again."""
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    with Engine(model=tiny_model("llama"), device="cpu", dtype="float32", itl_target_ms=1e6,
+                max_total_tokens=64, schedule_conservativeness=1.0) as engine:
+        calls = []
+        for name in ("_launch", "_resolve"):
+            method = getattr(engine.loop, name)
+            setattr(engine.loop, name, lambda *a, _m=method, _n=name: calls.append(_n[1:]) or _m(*a))
+        a = engine.add_request(prompt_token_ids=list(range(5, 15)), sampling_params=params)
+        engine.step()
+        engine.step()
+        b = engine.add_request(prompt_token_ids=list(range(20, 50)), sampling_params=params)  # does not fit yet
+        orders = []
+        while engine.scheduler.waiting:
+            calls.clear()
+            engine.step()
+            orders.append(tuple(calls))
+        assert orders[0] == ("resolve", "launch")  # b may fit: its step resolves first, then holds b back
+        assert len(orders) > 10 and all(o == ("launch", "resolve") for o in orders[1:-1])
+        while engine.has_work():
+            engine.step()
+        assert len(engine.output(engine.pop(b)).token_ids) == 24
+
+
 def test_a_steps_host_phases_add_up_to_its_time(tiny_model):
     """StepInfo.phases splits each step's wall time into STEP_PHASES, in order, without gaps."""
     from kestrel.core.outputs import STEP_PHASES
