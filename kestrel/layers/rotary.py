@@ -63,7 +63,9 @@ def yarn_frequencies(rope_dim: int, theta: float, factor: float, original_max: i
     if truncate:
         lo, hi = math.floor(lo), math.ceil(hi)
     lo, hi = max(lo, 0), min(hi, rope_dim - 1)
-    ramp = ((k - lo) / max(hi - lo, 1e-3)).clamp(0, 1)
+    # As the reference: only equal ends are separated; reversed ends (a context shorter than 2 pi x
+    # beta_slow, or beta_fast < beta_slow) keep their negative span, which turns the ramp around.
+    ramp = ((k - lo) / (hi - lo if hi != lo else 1e-3)).clamp(0, 1)
     return (omega * (1 - ramp) + omega / factor * ramp).float()
 
 

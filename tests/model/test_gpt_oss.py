@@ -55,6 +55,17 @@ def test_prefill_and_decode_across_window_boundaries_match_transformers(tiny: Pa
         assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
+def test_attention_without_biases_matches_transformers(tmp_path: Path) -> None:
+    """`attention_bias` false (the config field; the released checkpoints have biases): no q/k/v/o biases."""
+    path = make_gpt_oss(tmp_path / "nobias", seed=3, attention_bias=False)
+    model = load_model(path, torch.float32, "cpu")
+    assert model.model.layers[0].self_attn.qkv_proj.bias is None
+    prompts = _prompts(model.config.vocab_size, seed=4)
+    harness = Harness(model, len(prompts), layout=model.kv_layout(torch.float32))
+    for prompt, logits in zip(prompts, harness.step(prompts)):
+        torch.testing.assert_close(logits, _hf_logits(path, prompt), atol=2e-4, rtol=2e-4)
+
+
 def test_batched_equals_one_at_a_time_and_chunked_equals_whole(tiny: Path) -> None:
     model = load_model(tiny, torch.float32, "cpu")
     prompts = _prompts(model.config.vocab_size, seed=2)

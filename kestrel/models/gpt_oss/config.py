@@ -15,7 +15,7 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 @dataclass(frozen=True)
 class GptOssConfig:
     """`sliding_windows[i]`: layer i's window (None: full attention). Attention has biases on q, k, v and
-    o and a learned sink per head; `num_attention_heads * head_dim` need not equal `hidden_size`.
+    o (as the released checkpoints; `attention_bias` false: none) and a learned sink per head; `num_attention_heads * head_dim` need not equal `hidden_size`.
     `mxfp4`: the checkpoint stores the experts as MXFP4 blocks and scales (kestrel.quant.mxfp4)."""
 
     hidden_size: int
@@ -32,6 +32,7 @@ class GptOssConfig:
     moe: MoEConfig
     mxfp4: bool
     eos_token_ids: tuple[int, ...]
+    attention_bias: bool = True
 
 
 def parse_gpt_oss_config(config: dict[str, Any]) -> GptOssConfig:
@@ -81,4 +82,5 @@ def parse_gpt_oss_config(config: dict[str, Any]) -> GptOssConfig:
         moe=MoEConfig(config["hidden_size"], config["intermediate_size"], router, activation, expert_bias=True),
         mxfp4=mxfp4,
         eos_token_ids=() if eos is None else tuple(eos) if isinstance(eos, list) else (eos,),
+        attention_bias=bool(config.get("attention_bias", True)),
     )

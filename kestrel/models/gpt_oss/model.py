@@ -37,9 +37,10 @@ class GptOssAttention(nn.Module):
         heads, kv_heads, _ = attention_heads(all_heads, all_kv_heads, parallel)
         self.qkv_proj = MergedLinear(cfg.hidden_size, [all_heads * head_dim, all_kv_heads * head_dim,
                                                        all_kv_heads * head_dim],
-                                     bias=True, slices=qkv_slices(all_heads, all_kv_heads, head_dim, parallel))
+                                     bias=cfg.attention_bias,
+                                     slices=qkv_slices(all_heads, all_kv_heads, head_dim, parallel))
         self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
-        self.o_proj = row_parallel_linear(all_heads * head_dim, cfg.hidden_size, True, parallel)
+        self.o_proj = row_parallel_linear(all_heads * head_dim, cfg.hidden_size, cfg.attention_bias, parallel)
         self.rotary_emb = rotary
         self.attn = AttentionLayer(layer_id, heads, kv_heads, head_dim, head_dim ** -0.5,
                                    sliding_window=cfg.sliding_windows[layer_id], sinks=True,
