@@ -59,9 +59,9 @@ def parse_arch_config(config: dict[str, Any]) -> ArchConfig:
     kv_heads = config.get("num_key_value_heads") or heads
     # Qwen3's config class defaults head_dim to 128 rather than hidden / heads.
     default_head_dim = 128 if arch == "Qwen3ForCausalLM" else hidden // heads
-    attention_bias = bool(config.get("attention_bias", False))
     # Qwen2 always has q/k/v bias (and no o_proj bias), Qwen2-MoE unless `qkv_bias` says not; Llama and
-    # Qwen3(-MoE) put `attention_bias` on all four.
+    # Qwen3(-MoE) put `attention_bias` on all four; Mistral and Mixtral have none, whatever it says.
+    attention_bias = bool(config.get("attention_bias", False)) and arch in ("LlamaForCausalLM", *_QWEN3_ATTENTION)
     qkv_bias = True if arch == "Qwen2ForCausalLM" else bool(config.get("qkv_bias", True)) \
         if arch == "Qwen2MoeForCausalLM" else attention_bias
     o_proj_bias = attention_bias if arch in ("LlamaForCausalLM", *_QWEN3_ATTENTION) else False
@@ -75,7 +75,7 @@ def parse_arch_config(config: dict[str, Any]) -> ArchConfig:
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=config.get("head_dim") or default_head_dim,
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rms_norm_eps=config.get("rms_norm_eps", _DEFAULTS.get(arch, {}).get("rms_norm_eps", 1e-6)),
         vocab_size=vocab,
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -88,6 +88,13 @@ def parse_arch_config(config: dict[str, Any]) -> ArchConfig:
         eos_token_ids=eos_ids,
     )
 
+
+# What transformers' config classes default to where they differ from the common defaults (rope theta
+# 10000, RMSNorm epsilon 1e-6, no window), for config.json files that leave the key out.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "MixtralForCausalLM": {"rope_theta": 1e6, "rms_norm_eps": 1e-5},
+    "MistralForCausalLM": {"sliding_window": 4096},
+}
 
 _SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
           "num_key_value_heads")
@@ -114,16 +121,22 @@ def parse_rope(config: dict[str, Any]) -> RopeConfig:
     # transformers 5 writes `rope_parameters`; transformers 4 writes `rope_theta` + optional `rope_scaling`.
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     # transformers 5 may also write a null top-level `rope_theta` next to `rope_parameters`.
-    theta = params.get("rope_theta") or config.get("rope_theta") or 10000.0
+    arch = (config.get("architectures") or [None])[0]
+    theta = params.get("rope_theta") or config.get("rope_theta") or _DEFAULTS.get(arch, {}).get("rope_theta", 1e4)
     rope_type = params.get("rope_type", params.get("type", "default"))
     original_max = params.get("original_max_position_embeddings")
-    if rope_type in ("llama3", "yarn") and original_max is None:
-        # transformers falls back to the model's max length when the checkpoint omits it.
-        original_max = config.get("max_position_embeddings")
+    if rope_type in ("llama3", "yarn"):
+        # As transformers: a top-level value (Phi-3 style) wins over the rope section's, and without
+        # either the model's max length stands in.
+        original_max = config.get("original_max_position_embeddings") or original_max \
+            or config.get("max_position_embeddings")
+    factor = params.get("factor")
+    if factor is None and rope_type == "yarn" and original_max:
+        factor = config.get("max_position_embeddings", original_max) / original_max  # transformers' fallback
     return RopeConfig(
         rope_type=rope_type,
         theta=float(theta),
-        factor=float(params.get("factor", 1.0)),
+        factor=float(1.0 if factor is None else factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=original_max,
@@ -141,7 +154,7 @@ def _sliding_windows(arch: str, config: dict[str, Any], num_layers: int) -> tupl
     `sliding_window` is set, Qwen3-MoE too with `use_sliding_window`; Qwen2/3 and Qwen2-MoE only with
     `use_sliding_window`, on layers marked "sliding_attention" (by default Qwen2/3's are those from
     `max_window_layers` on, Qwen2-MoE's the even ones below it); Llama never."""
-    window = config.get("sliding_window") or None  # Qwen2-MoE writes 0 for none
+    window = config.get("sliding_window", _DEFAULTS.get(arch, {}).get("sliding_window")) or None  # Qwen2-MoE: 0
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return (window,) * num_layers
     if window is None or not config.get("use_sliding_window", False):

@@ -28,6 +28,7 @@ CASES = {
     "llama_tied": ("llama", dict(tie=True)),
     "llama3_rope": ("llama", dict(rope_parameters=LLAMA3_ROPE)),
     "llama_sharded": ("llama", dict(max_shard_size="40KB")),
+    "mistral_attention_bias_ignored": ("mistral", dict(attention_bias=True)),  # Mistral's attention has none
     # MoE families: the Llama decoder with MoE layers (kestrel/models/llama_moe.py).
     "qwen3_moe": ("qwen3_moe", {}),  # renormalised top-2 of 8
     "qwen3_moe_dense_layer": ("qwen3_moe", dict(mlp_only_layers=[1], norm_topk_prob=False, num_experts_per_tok=3)),
@@ -69,6 +70,42 @@ def test_prefill_then_decode_matches_transformers(case: str, tmp_path: Path) -> 
     next_tokens = [[int(logits[-1].argmax())] for logits in prefill]  # greedy continuation
     for prompt, tok, logits in zip(prompts, next_tokens, harness.step(next_tokens, ForwardMode.DECODE)):
         torch.testing.assert_close(logits[0], _hf_logits(hf, prompt + tok)[-1], atol=1e-4, rtol=1e-4)
+
+
+def _edited_config_matches_transformers(path: Path, edit) -> torch.nn.Module:
+    """Rewrite the checkpoint's config.json with `edit`, then compare prefill logits with transformers'."""
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    (path / "config.json").write_text(json.dumps(config))
+    model, hf = load_model(path, torch.float32, "cpu"), _hf(path)
+    prompts = _prompts(model.config.vocab_size, seed=3)
+    for prompt, logits in zip(prompts, Harness(model, len(prompts)).step(prompts)):
+        torch.testing.assert_close(logits, _hf_logits(hf, prompt), atol=1e-4, rtol=1e-4)
+    return model
+
+
+def test_keys_a_config_leaves_out_take_transformers_defaults_for_its_architecture(tmp_path: Path) -> None:
+    """Mixtral's config class defaults rope theta to 1e6 and the norms' epsilon to 1e-5 (not 1e4 / 1e-6)."""
+    def drop(config: dict) -> None:
+        for key in ("rope_parameters", "rope_theta", "rope_scaling", "rms_norm_eps"):
+            config.pop(key, None)
+
+    model = _edited_config_matches_transformers(make_tiny_model("mixtral", tmp_path, rope_theta=1e6,
+                                                                rms_norm_eps=1e-5), drop)
+    assert model.config.rope.theta == 1e6 and model.config.rms_norm_eps == 1e-5
+
+
+def test_a_top_level_original_max_position_embeddings_wins_over_the_rope_section(tmp_path: Path) -> None:
+    """As transformers reads it (Phi-3 style configs): yarn over 16 original positions, not the section's 64."""
+    def outer(config: dict) -> None:
+        config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                     "original_max_position_embeddings": 64}
+        config["original_max_position_embeddings"] = 16
+
+    model = _edited_config_matches_transformers(make_tiny_model("llama", tmp_path), outer)
+    assert model.config.rope.original_max_position_embeddings == 16
 
 
 @pytest.mark.parametrize("arch", ["mistral", "mixtral", "qwen2_moe"])
