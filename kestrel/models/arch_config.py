@@ -49,8 +49,9 @@ def parse_arch_config(config: dict[str, Any]) -> ArchConfig:
         raise ValueError("config.json has no `architectures` entry; cannot tell which model to build")
     arch = archs[0]
     act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act={act!r} is not supported; Llama-family models need 'silu'")
+    # transformers' "swish" is the same function as "silu".
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act={act!r} is not supported; Llama-family models need 'silu' (or its other name, 'swish')")
     check_sizes(config)
     missing = [key for key in _SIZES if key != "num_key_value_heads" and key not in config]
     if missing:

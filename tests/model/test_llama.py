@@ -198,6 +198,7 @@ def test_unsupported_configs_raise() -> None:
         model_class(["LlamaForCausalLM"])(parse_arch_config(_config(rope_parameters={"rope_type": "longrope"})))
     with pytest.raises(ValueError, match="gelu"):
         parse_arch_config(_config(hidden_act="gelu"))
+    parse_arch_config(_config(hidden_act="swish"))  # transformers' other name for silu
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
         model_class(["GPT2LMHeadModel"])
 

@@ -58,8 +58,9 @@ def parse_v3_config(config: dict[str, Any]) -> V3Config:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{key} must be a positive integer, got {value!r}")
     act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act={act!r} is not supported; DeepSeek-V3 uses 'silu'")
+    # transformers' "swish" is the same function as "silu".
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act={act!r} is not supported; DeepSeek-V3 uses 'silu' (or its other name, 'swish')")
     heads = config["num_attention_heads"]
     if config.get("num_key_value_heads", heads) != heads:
         raise ValueError(f"num_key_value_heads={config['num_key_value_heads']}: MLA has one key/value per query "
