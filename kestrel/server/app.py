@@ -16,7 +16,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -53,7 +53,9 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and needs_api_key(scope["path"]):
             headers = dict(scope["headers"])
             # Both compared, always: how long the check takes says nothing about which header was sent.
-            bearer = secrets.compare_digest(headers.get(b"authorization", b""), self.bearer)
+            # The scheme's name is case-insensitive (RFC 7235); the key is not.
+            given = headers.get(b"authorization", b"")
+            bearer = given[:7].lower() == b"bearer " and secrets.compare_digest(given[7:], self.bearer[7:])
             key = secrets.compare_digest(headers.get(b"x-api-key", b""), self.key)
             if not (bearer or key):
                 error = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>' "
@@ -83,6 +85,8 @@ class InternalErrorMiddleware:
 
         try:
             await self.app(scope, receive, watched_send)
+        except ClientDisconnect:  # the client left while sending its body: nothing to answer, no fault here
+            logger.debug("client disconnected while sending a request to %s", scope.get("path"))
         except Exception as e:
             logger.exception("unhandled error while serving %s", scope.get("path"))
             if started or scope["type"] != "http":

@@ -25,6 +25,7 @@ from kestrel.server.protocol import ChatCompletionRequest, FunctionName, NamedTo
 from kestrel.server.response_store import StoredResponse
 from kestrel.server.sse import named_sse_stream
 from kestrel.server.state import ServerState, parse_body, respond
+from kestrel.server.tokenization import lone_surrogate
 
 _API_NAMES = {"max_new_tokens": "max_output_tokens"}  # SamplingParams field -> the Responses API's
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -286,6 +287,11 @@ def _input_items(state: ServerState, body: ResponsesRequest) -> list[dict[str, A
 
 async def create(state: ServerState, request: Request) -> Response:
     body, body_bytes = await parse_body(request, ResponsesRequest)
+    # Fields the response echoes back: text no JSON encoder can write is refused before any work.
+    for name in ("user", "metadata", "reasoning"):
+        value = getattr(body, name)
+        if problem := lone_surrogate(value.model_dump() if hasattr(value, "model_dump") else value, name):
+            raise bad_request(problem, name)
     model = state.check_model(body.model)
     items = _input_items(state, body)
     chat = chat_request(body, items)
@@ -310,7 +316,8 @@ async def create(state: ServerState, request: Request) -> Response:
                     "incomplete_details": {"reason": "max_output_tokens"} if status() == "incomplete" else None,
                     "error": ABORTED if status() == "failed" else None,
                     "usage": {"input_tokens": usage["prompt_tokens"],
-                              "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+                              "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                                                       "cache_write_tokens": 0},
                               "output_tokens": usage["completion_tokens"],
                               "output_tokens_details": {"reasoning_tokens": 0},
                               "total_tokens": usage["total_tokens"]}}

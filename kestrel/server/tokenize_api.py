@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -26,7 +27,7 @@ class TokenizeRequest(_Body):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[dict[str, Any]] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None  # default: on for a prompt; off for messages (the template has them)
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -57,6 +57,11 @@ def tool_use(body: ChatCompletionRequest, parser: ToolParser | None) -> ToolUse 
             raise bad_request(f"tool name {name!r} must be 1 to 64 letters, digits, '_' or '-'", "tools")
     if len(set(names)) < len(names):
         raise bad_request("tool names must be unique", "tools")
+    for tool in tools:  # a call's arguments are an object (Anthropic's `input` must be one), as OpenAI requires
+        schema = tool.function.parameters or {}
+        if schema.get("type", "object") != "object" or any(schema.get(k) == [] for k in ("anyOf", "oneOf", "allOf")):
+            raise bad_request(f"the parameters of tool {tool.function.name!r} must be a JSON Schema of type "
+                              f"'object' (with any alternatives non-empty), got {json.dumps(schema)[:200]}", "tools")
     forced = choice.function.name if isinstance(choice, NamedToolChoice) else None
     if forced is not None and forced not in names:
         raise bad_request(f"tool_choice names the function {forced!r}, which is not among the tools "

@@ -152,6 +152,9 @@ LONE_SURROGATE = [
      "messages"),
     ("/generate", {"text": "abc\ud800def"}, "text"),
     ("/generate", {"text": "x", "sampling_params": {"stop": "\ud800"}}, "stop"),
+    # Fields the Responses API echoes back in its answer.
+    ("/v1/responses", {"input": "hi", "user": "\ud800"}, "user"),
+    ("/v1/responses", {"input": "hi", "metadata": {"k": "\udc00"}}, "metadata"),
 ]
 
 
@@ -169,6 +172,24 @@ def test_lone_surrogates_are_400_naming_the_field_and_the_connection_stays_usabl
         assert status == 200, payload
     finally:
         conn.close()
+
+
+def test_fuzzed_corners_are_4xx_in_the_route_s_format(server, http):
+    """Corners a fuzzing campaign found: each a 4xx in its API's error format, never a 500."""
+    r = http.post("/tokenize", json={"messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    string_args = [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w"}], "max_tokens": 4,
+                                                "tools": string_args, "tool_choice": "required"})
+    assert r.status_code == 400 and "type 'object'" in r.json()["error"]["message"], r.text
+    r = http.post("/v1/messages", json={"max_tokens": 4, "messages": [{"role": "user", "content": "w"}],
+                                        "tools": [{"name": "f", "input_schema": {"anyOf": []}}]})
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    r = http.request("PATCH", "/v1/messages")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    # The Authorization scheme is case-insensitive; the key is not.
+    assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+    assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"bearer {KEY.upper()}"}).status_code == 401
 
 
 def test_non_finite_numbers_are_400_naming_the_field(server):

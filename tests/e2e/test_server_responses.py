@@ -32,6 +32,8 @@ def test_text_streamed_or_not_and_retrieve(tokenizer):
         out = await client.responses.create(model="fake", input="Hi", instructions="Be kind.", temperature=0.5)
         assert (out.status, out.output_text, out.model) == ("completed", "Hello there, how can I help?", "fake")
         assert out.usage.input_tokens > 0 and out.usage.output_tokens > 0
+        # The SDK's own type, strictly: every field it requires is there.
+        openai.types.responses.Response.model_validate(out.model_dump(exclude_unset=True))
         assert (await client.responses.retrieve(out.id)).output_text == out.output_text
 
         kinds, deltas = [], []
