@@ -95,14 +95,16 @@ class StopStringMatcher:
                     break
         return longest
 
-    def feed(self, delta: str) -> tuple[str, str | None]:
-        """Add new text; return (text safe to emit now, the stop string matched now or None)."""
+    def feed(self, delta: str, match: bool = True) -> tuple[str, str | None]:
+        """Add new text; return (text safe to emit now, the stop string matched now or None). With
+        `match` false (the request has not reached min_new_tokens) nothing matches, but the text that
+        may begin a stop string is still held back: a stop string ending past the minimum counts."""
         if self.matched is not None:
             return "", None
         # Held text was already searched, but a stop string may straddle it and the new delta.
         text = self.held + delta
         best: tuple[int, str] | None = None
-        for stop in self.stop_strs:
+        for stop in self.stop_strs if match else ():
             pos = text.find(stop)
             if pos >= 0 and (best is None or pos < best[0]):
                 best = (pos, stop)
@@ -135,9 +137,10 @@ class OutputText:
     def matched_stop(self) -> str | None:
         return self.stops.matched
 
-    def add(self, token_ids: list[int]) -> tuple[str, str | None]:
-        """Append generated ids; return (text delta, stop string matched by this step or None)."""
-        delta, matched = self.stops.feed(self.detokenizer.add(token_ids))
+    def add(self, token_ids: list[int], match: bool = True) -> tuple[str, str | None]:
+        """Append generated ids; return (text delta, stop string matched by this step or None; none
+        without `match`)."""
+        delta, matched = self.stops.feed(self.detokenizer.add(token_ids), match)
         self.text += delta
         return delta, matched
 

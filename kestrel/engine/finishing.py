@@ -63,7 +63,8 @@ class Finishing:
                 finish = Finish("stop")
         text = self.texts.get(req.rid)
         if text is not None:
-            _, matched = text.add([token])
-            if matched is not None and len(req.output_ids) >= params.min_new_tokens:
+            # Before min_new_tokens no stop string is looked for (a match would be final: the text ends there).
+            _, matched = text.add([token], match=len(req.output_ids) >= params.min_new_tokens)
+            if matched is not None:
                 finish = Finish("stop", matched)
         return finish

@@ -208,7 +208,10 @@ class Scheduler:
             is_new = req is not self.chunked
             if is_new and (len(self.running) + len(picked) + (self.chunked is not None)
                            >= self.config.max_running_requests or rows.available() == 0):
-                break
+                # No new request fits, but the prompt in progress (ordered later when a shorter one
+                # arrived) must still get its chunk: with no slot for the newcomer, skipping to it is
+                # the only way forward (at max_running_requests 1 a `break` here stalled both forever).
+                continue
             if is_new and not self.kv.lora_fits(req):
                 # Every pool slot holds another running adapter: it waits for one to free up. Once it has
                 # aged, nothing new is admitted behind it, so the running adapters drain and free a slot.

@@ -333,6 +333,43 @@ def test_a_request_held_back_by_memory_does_not_cost_the_running_ones_their_over
         assert len(engine.output(engine.pop(b)).token_ids) == 24
 
 
+def test_a_prompt_in_progress_is_not_stalled_by_a_shorter_newcomer_at_the_request_limit():
+    """max_running_requests 1: a short prompt arriving while a long one is between chunks is ranked first
+    but cannot be admitted; the long one still gets its chunks (this used to stall both for good)."""
+    params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    with Engine(model="demo", device="cpu", dtype="float32", chunked_prefill_size=16, max_running_requests=1) as e:
+        long = e.add_request(prompt_token_ids=list(range(100, 150)), sampling_params=params)
+        e.step()  # its first chunk
+        short = e.add_request(prompt_token_ids=[5, 6, 7], sampling_params=params)
+        for _ in range(50):
+            if not e.has_work():
+                break
+            e.step()
+        assert not e.has_work()
+        assert [len(e.output(e.pop(r)).token_ids) for r in (long, short)] == [2, 2]
+
+
+def test_a_stop_string_before_min_new_tokens_does_not_count():
+    """The demo model's greedy answer repeats " module"; with min_new_tokens past its first occurrence the
+    request stops at the first one completed at or after the minimum (it ran to max_new_tokens, reporting
+    "stop" with its text cut at the first). The text ends where a stop string begins in the tokens' text;
+    which occurrence depends on where the detokenizer's held-back text falls, one token either way."""
+    prompt, stop = "The cat sat on", "module"
+    with Engine(model="demo", device="cpu", dtype="float32") as e:
+        free = e.generate(prompts=[prompt], sampling_params=SamplingParams(
+            max_new_tokens=30, temperature=0.0, ignore_eos=True))[0]
+        ends = [i + 1 for i in range(len(free.token_ids)) if e.tokenizer.decode(free.token_ids[:i + 1]).count(stop)
+                > e.tokenizer.decode(free.token_ids[:i]).count(stop)]  # tokens at which an occurrence completes
+        assert len(ends) >= 2, free.text
+        minimum = ends[0] + 1
+        want = next(n for n in ends if n >= minimum)
+        out = e.generate(prompts=[prompt], sampling_params=SamplingParams(
+            max_new_tokens=30, min_new_tokens=minimum, temperature=0.0, ignore_eos=True, stop=stop))[0]
+    assert out.meta["finish_reason"] == "stop" and len(out.token_ids) == want
+    full = e.tokenizer.decode(out.token_ids)
+    assert full.startswith(out.text) and full[len(out.text):].startswith(stop)
+
+
 def test_a_steps_host_phases_add_up_to_its_time(tiny_model):
     """StepInfo.phases splits each step's wall time into STEP_PHASES, in order, without gaps."""
     from kestrel.core.outputs import STEP_PHASES
