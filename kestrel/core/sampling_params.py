@@ -50,6 +50,9 @@ class SamplingParams:
     grammar can only end. The engine compiles it when the request is added (a bad one is a ValueError).
     `grammar_after`: token ids (a reasoning model's end-of-thinking marker) before which the output is
     free; the grammar constrains what follows their first appearance in the output.
+    `grammar_opener`: with `grammar_after`, the token that opens the free part (`<think>`): the first
+    token is then the opener or one the grammar allows, and anything but the opener starts the answer
+    at once, under the grammar (a model that does not think never writes the closing marker).
     """
 
     max_new_tokens: int = 128
@@ -76,6 +79,7 @@ class SamplingParams:
     ebnf: str | None = None
     structural_tag: str | dict[str, Any] | None = None
     grammar_after: tuple[int, ...] | None = None
+    grammar_opener: int | None = None
     # A prefill-only request (max_new_tokens=0) that returns its pooled hidden state or scores instead
     # of tokens (kestrel.engine.pooling).
     pooling: PoolingParams | None = None
@@ -122,6 +126,9 @@ class SamplingParams:
         if self.grammar_after is not None and (not self.grammar_after or not all(
                 _is_int(t) and t >= 0 for t in self.grammar_after)):
             bad("grammar_after", "a non-empty sequence of token ids")
+        if self.grammar_opener is not None and (self.grammar_after is None or not _is_int(self.grammar_opener)
+                                                or self.grammar_opener < 0):
+            bad("grammar_opener", "a token id, with grammar_after")
         if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             bad("min_new_tokens", f"an integer in [0, max_new_tokens={self.max_new_tokens}]")
         if not _is_num(self.temperature) or self.temperature < 0:

@@ -152,7 +152,8 @@ class GrammarBackend:
         if grammar is None:
             return None
         state = GrammarState(grammar[0], self.compile(*grammar), self,
-                             time.monotonic() + self.limits.compile_timeout, params.grammar_after)
+                             time.monotonic() + self.limits.compile_timeout, params.grammar_after,
+                             params.grammar_opener)
         state.poll()
         if state.error is not None:
             raise state.error
@@ -175,6 +176,9 @@ class GrammarBackend:
                 self._staging = self._xgr.allocate_token_bitmask(len(states), self.vocab_size).pin_memory()
             mask = self._staging[:len(states)]
         self._batch_matcher.batch_fill_next_token_bitmask([s.matcher for s in states], mask)
+        for i, state in enumerate(states):  # a first token may also open the free part
+            if state.undecided:
+                mask[i, state.opener // 32] |= _bit(state.opener % 32)
         return mask
 
     def only_stops(self, row: torch.Tensor) -> bool:
@@ -199,12 +203,16 @@ class GrammarState:
     """One request's grammar: compiling until `poll()` says it is ready (or failed: `error`), then a
     matcher that accepts exactly the request's resolved output tokens, in order. With a `trigger` (see
     SamplingParams.grammar_after) the grammar is not `active` until the output has written it: the
-    tokens up to and including it are free and the matcher never sees them."""
+    tokens up to and including it are free and the matcher never sees them. With an `opener` too
+    (SamplingParams.grammar_opener) the first token decides: the opener, and the trigger is awaited;
+    anything else (the grammar's mask, plus the opener, constrains it), and the grammar holds from it."""
 
     def __init__(self, kind: str, compiled: Future, backend: GrammarBackend, deadline: float,
-                 trigger: tuple[int, ...] | None = None) -> None:
+                 trigger: tuple[int, ...] | None = None, opener: int | None = None) -> None:
         self.kind = kind
         self.trigger = list(trigger) if trigger else None
+        self.opener = opener if self.trigger is not None else None
+        self.undecided = self.opener is not None  # no output token yet: opener or the grammar's first
         self._recent: list[int] = []  # the last len(trigger) output tokens, until it has appeared
         self.compiled = compiled
         self.backend = backend
@@ -237,10 +245,16 @@ class GrammarState:
 
     @property
     def active(self) -> bool:
-        """Whether the grammar constrains the next token (its trigger, if any, is written)."""
-        return self.trigger is None
+        """Whether the grammar constrains the next token (its trigger, if any, is written; or the
+        first token, which may also be the opener)."""
+        return self.trigger is None or self.undecided
 
     def accept(self, token: int) -> bool:
+        if self.undecided:
+            self.undecided = False
+            if token != self.opener:  # no free part: the answer starts here
+                self.trigger = None
+                return self.matcher.accept_token(token)
         if self.trigger is not None:
             self._recent = (self._recent + [token])[-len(self.trigger):]
             if self._recent == self.trigger:

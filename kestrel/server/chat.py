@@ -101,6 +101,12 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, body_byt
         if (marker := reasoning.answer_starts_after(template_kwargs)) is not None:
             base = dataclasses.replace(base, grammar_after=tuple(state.tokenizer.encode(marker,
                                                                                         add_special_tokens=False)))
+            # A model that may answer without opening its thinking block (one token, e.g. Qwen3's
+            # `<think>`) would never write the marker: its first token decides (SamplingParams).
+            opener = reasoning.opens_with(template_kwargs)
+            ids = state.tokenizer.encode(opener, add_special_tokens=False) if opener else []
+            if len(ids) == 1:
+                base = dataclasses.replace(base, grammar_opener=ids[0])
     ticket = state.admit(body.n, "n")
     # With a reasoning parser or tools, each choice's text is read by its ChatOutput as it comes, streamed
     # or not (one reading, so both answers agree).

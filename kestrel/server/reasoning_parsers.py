@@ -51,6 +51,12 @@ class ReasoningParser:
         once: with a grammar, the reasoning before it stays free."""
         raise NotImplementedError
 
+    @classmethod
+    def opens_with(cls, template_kwargs: dict) -> str | None:
+        """The tag the output opens its reasoning with, where the model may also answer at once
+        (None: the reasoning is always there, or opened by the prompt)."""
+        return None
+
 
 class ThinkParser(ReasoningParser):
     """`<think>reasoning</think>rest`."""
@@ -102,6 +108,10 @@ class Qwen3Parser(ThinkParser):
     def answer_starts_after(cls, template_kwargs: dict) -> str | None:
         # Without thinking the template closes the block in the prompt; the model thinks by default.
         return None if template_kwargs.get("enable_thinking") is False else cls.close_tag
+
+    @classmethod
+    def opens_with(cls, template_kwargs: dict) -> str | None:
+        return cls.open_tag  # a model that skips thinking (or never learnt it) answers at once
 
 
 class GptOssReasoningParser(ReasoningParser):

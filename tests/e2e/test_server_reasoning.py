@@ -166,3 +166,8 @@ def test_a_grammar_waits_for_the_end_of_thinking(tokenizer, tmp_path):
     seen = scripted_serve(think, qwen3)
     assert seen[0][1].grammar_after == tuple(think.encode("</think>", add_special_tokens=False))
     assert seen[1][1].grammar_after is None
+    # Qwen3 may answer without opening its block: `<think>` or the grammar, first, where `<think>` is one
+    # token (Qwen3's tokenizer; this test tokenizer spells it in five, so none is set).
+    opener = think.encode("<think>", add_special_tokens=False)
+    assert seen[0][1].grammar_opener == (opener[0] if len(opener) == 1 else None)
+    assert seen[1][1].grammar_opener is None

@@ -106,6 +106,15 @@ def test_a_grammar_after_a_marker_leaves_the_tokens_up_to_it_free(engine):
     assert engine.generate([PROMPT], never)[0].token_ids[:12] == free.token_ids[:12]
     with pytest.raises(ValueError, match="grammar_after must be a non-empty sequence of token ids"):
         engine.generate([PROMPT], dataclasses.replace(params, grammar_after=()))
+    # An opener: written first, the output is free up to the marker as before; never written (biased
+    # away), the grammar holds from the first token.
+    opened = engine.generate([PROMPT], dataclasses.replace(params, grammar_opener=free.token_ids[0]))[0]
+    assert opened.token_ids == out.token_ids
+    shut = engine.vocab_size - 1
+    skipped = engine.generate([PROMPT], dataclasses.replace(params, grammar_opener=shut, logit_bias={shut: -100.0}))[0]
+    assert re.fullmatch("(yes|no)!", skipped.text) and skipped.meta["finish_reason"] == "stop"
+    with pytest.raises(ValueError, match="grammar_opener must be a token id, with grammar_after"):
+        engine.generate([PROMPT], dataclasses.replace(params, grammar_after=None, grammar_opener=3))
     assert_pool_full(engine)
 
 
