@@ -51,7 +51,8 @@ def parse_arch_config(config: dict[str, Any]) -> ArchConfig:
     act = config.get("hidden_act", "silu")
     # transformers' "swish" is the same function as "silu".
     if act not in ("silu", "swish"):
-        raise ValueError(f"hidden_act={act!r} is not supported; Llama-family models need 'silu' (or its other name, 'swish')")
+        raise ValueError(f"hidden_act={act!r} is not supported; Llama-family models need 'silu' (or its other "
+                         "name, 'swish')")
     check_sizes(config)
     missing = [key for key in _SIZES if key != "num_key_value_heads" and key not in config]
     if missing:
@@ -65,7 +66,7 @@ def parse_arch_config(config: dict[str, Any]) -> ArchConfig:
     attention_bias = bool(config.get("attention_bias", False)) and arch in ("LlamaForCausalLM", *_QWEN3_ATTENTION)
     qkv_bias = True if arch == "Qwen2ForCausalLM" else bool(config.get("qkv_bias", True)) \
         if arch == "Qwen2MoeForCausalLM" else attention_bias
-    o_proj_bias = attention_bias if arch in ("LlamaForCausalLM", *_QWEN3_ATTENTION) else False
+    o_proj_bias = attention_bias
     eos = config.get("eos_token_id")
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
     return ArchConfig(

@@ -13,8 +13,8 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_
           503: "service_unavailable_error"}
 # Anthropic's error types by status (its API answers 529 where kestrel answers 503: overloaded).
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
-                    503: "overloaded_error"}
+                    404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 ANTHROPIC_PREFIX = "/v1/messages"
 
 

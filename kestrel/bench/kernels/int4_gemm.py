@@ -7,8 +7,9 @@ and decode batches: what replaces `default_config` (and GEMV_MAX_M) by measureme
 Shapes (K, N): qkv (4096, 6144), o (4096, 4096), gate_up (4096, 28672), down (14336, 4096), group size 128
 (the AWQ checkpoint's), bf16 activations, random codes, zero points and scales. M = 1, 4, 16, 64. Configs
 (`Int4GemmConfig`): the default, the GEMV (M <= GEMV_LIMIT_M) at each tile of GEMV_TILES and split of
-SPLITS, with and without `fold_groups` (and at M = 1 with `defer_reduce`), tl.dot at each of DOT_TILES and SPLITS. Each figure is the median over replays of a CUDA graph of
-one call per weight copy, copies cycled so that the weights come from HBM, not L2 (as in a decode step).
+SPLITS, with and without `fold_groups` (and at M = 1 with `defer_reduce`), tl.dot at each of DOT_TILES and
+SPLITS. Each figure is the median over replays of a CUDA graph of one call per weight copy, copies cycled so
+that the weights come from HBM, not L2 (as in a decode step).
 Floor: packed weights + scales + zero points, over the measured copy bandwidth
 (kestrel.bench.common.copy_bandwidth); `% floor` = floor / time. `maxdiff`: the largest |y - default's y|
 (a config that computes something else shows here). A config that does not compile or fit is reported as

@@ -60,7 +60,8 @@ def parse_v3_config(config: dict[str, Any]) -> V3Config:
     act = config.get("hidden_act", "silu")
     # transformers' "swish" is the same function as "silu".
     if act not in ("silu", "swish"):
-        raise ValueError(f"hidden_act={act!r} is not supported; DeepSeek-V3 uses 'silu' (or its other name, 'swish')")
+        raise ValueError(f"hidden_act={act!r} is not supported; DeepSeek-V3 uses 'silu' (or its other name, "
+                         "'swish')")
     heads = config["num_attention_heads"]
     if config.get("num_key_value_heads", heads) != heads:
         raise ValueError(f"num_key_value_heads={config['num_key_value_heads']}: MLA has one key/value per query "

@@ -15,7 +15,8 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 @dataclass(frozen=True)
 class GptOssConfig:
     """`sliding_windows[i]`: layer i's window (None: full attention). Attention has biases on q, k, v and
-    o (as the released checkpoints; `attention_bias` false: none) and a learned sink per head; `num_attention_heads * head_dim` need not equal `hidden_size`.
+    o (as the released checkpoints; `attention_bias` false: none) and a learned sink per head;
+    `num_attention_heads * head_dim` need not equal `hidden_size`.
     `mxfp4`: the checkpoint stores the experts as MXFP4 blocks and scales (kestrel.quant.mxfp4)."""
 
     hidden_size: int
