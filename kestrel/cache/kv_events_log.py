@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kestrel.cache.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, external_hash,
                                      page_digest, seed_digest)
-from kestrel.cache.radix import NAMESPACE_SHIFT
+from kestrel.cache.radix import NAMESPACE_SHIFT, TOKEN_SPACE
 
 if TYPE_CHECKING:
     from kestrel.cache.radix import Node
@@ -77,9 +77,10 @@ class BlockChains:
                 _, node, parent, key = record
                 prev = self.pages[parent][-1] if parent is not None else self.root
                 parent_hash = external_hash(prev) if parent is not None else None
-                # A LoRA adapter's pages: its tokens in the adapter's namespace (radix.NAMESPACE_SHIFT).
+                # A LoRA adapter's pages: its tokens in the adapter's namespace (radix.NAMESPACE_SHIFT); a
+                # feature draft's keys also carry the next token (radix.TOKEN_SPACE): events name tokens only.
                 lora_id = key[0] // NAMESPACE_SHIFT or None if key else None
-                tokens = [t % NAMESPACE_SHIFT for t in key] if lora_id else list(key)
+                tokens = [t % NAMESPACE_SHIFT % TOKEN_SPACE for t in key]
                 digests = []
                 for i in range(0, len(key), ps):
                     prev = page_digest(prev, tokens[i:i + ps], lora_id)

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 
 # Keys are token ids; a namespace (a LoRA adapter's uid) lifts its tokens by uid * NAMESPACE_SHIFT, above
 # every vocabulary, so the tree never matches one namespace's KV with another's and needs no notion of them.
+# Keys of a feature draft's engine also carry the next token, shifted by NEXT_TOKEN_SHIFT (request_kv.cache_key):
+# a key's token is key % NAMESPACE_SHIFT % TOKEN_SPACE.
+NEXT_TOKEN_SHIFT = 20
+TOKEN_SPACE = 1 << NEXT_TOKEN_SHIFT
 NAMESPACE_SHIFT = 1 << 40
 
 
@@ -220,12 +224,13 @@ class RadixCache:
 
     # ---- request hand-off --------------------------------------------------------------------
     def _insert_and_free_duplicates(self, token_ids: list[int], slots: torch.Tensor, cached_len: int) -> int:
-        """Insert the aligned part of token_ids[:len(slots)]; free the caller's duplicate slots.
+        """Insert the aligned part of token_ids[:len(slots)] (token_ids may be shorter); free the caller's
+        duplicate slots.
 
         Returns the aligned length inserted. slots[:cached_len] are the tree's own slots (held
         locked), so the already-present prefix is at least cached_len long.
         """
-        length = self._aligned(len(slots))
+        length = self._aligned(min(len(slots), len(token_ids)))
         present = self.insert(token_ids[:length], slots[:length])
         assert present >= cached_len, "locked prefix vanished from the radix tree"
         self.allocator.free(slots[cached_len:present])

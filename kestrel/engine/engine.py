@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 
 from kestrel import envs
 from kestrel.cache.kv_events_publisher import open_kv_event_log
-from kestrel.cache.radix import RadixCache
+from kestrel.cache.radix import TOKEN_SPACE, RadixCache
 from kestrel.config import EngineConfig
 from kestrel.config_resolve import resolve_config
 from kestrel.core.outputs import EngineStats, RequestOutput, StepInfo
@@ -99,9 +99,12 @@ class Engine:
                            "that cannot reuse prefixes): no block will be published")
         self.radix = RadixCache(alloc, config.cache.page_size, disabled=config.cache.disable_radix_cache,
                                 events=self.kv_events)
+        pair_keys = draft is not None and draft.uses_features  # radix keys (token, next token): request_kv.cache_key
+        if pair_keys and self.vocab_size > TOKEN_SPACE and not config.cache.disable_radix_cache:
+            raise ValueError(f"a feature draft with prefix caching needs a vocabulary of at most {TOKEN_SPACE} "
+                             f"tokens (this model has {self.vocab_size}); pass --disable-radix-cache")
         self.scheduler = Scheduler(sched, alloc, self.radix, self.kv_memory.req_to_token, self.eos_token_ids,
-                                   self.kv_memory.max_req_len,
-                                   recompute_last_match=draft is not None and draft.uses_features,
+                                   self.kv_memory.max_req_len, pair_keys=pair_keys,
                                    clock=clock, lora=parts.lora)
         self.lora = parts.lora
         self.sampler = Sampler(triton_argmax=triton_on_device(config))

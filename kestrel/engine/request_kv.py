@@ -11,16 +11,23 @@ from __future__ import annotations
 import torch
 
 from kestrel.cache.allocator import TokenToKVPoolAllocator
-from kestrel.cache.radix import NAMESPACE_SHIFT, RadixCache
+from kestrel.cache.radix import NAMESPACE_SHIFT, NEXT_TOKEN_SHIFT, RadixCache
 from kestrel.cache.req_to_token import ReqToTokenPool
 from kestrel.core.request import Request, RequestStatus
 from kestrel.engine.pooling import first_unpooled
 from kestrel.lora.pool import LoRAPool
 
-def cache_key(req: Request, end: int | None = None) -> list[int]:
+def cache_key(req: Request, end: int | None = None, pairs: bool = False) -> list[int]:
     """The radix key of `req.fill_ids[:end]`: a LoRA request's in its adapter's namespace (no KV is shared
-    across adapters, or with the base model)."""
-    ids = req.fill_ids[:end]
+    across adapters, or with the base model).
+
+    With `pairs` (a feature draft runs: its KV at position p was computed from token p + 1) position p is
+    keyed by token p and token p + 1, so the tree shares a position only where the draft's KV holds too,
+    and a request that branches off a cached path recomputes the last shared token's draft KV. The key
+    then stops before a last position whose next token is not known yet."""
+    ids = req.fill_ids[:None if end is None else end + pairs]
+    if pairs:
+        ids = [t + (n << NEXT_TOKEN_SHIFT) for t, n in zip(ids, ids[1:])]
     if req.lora is None:
         return ids
     shift = req.lora.uid * NAMESPACE_SHIFT
@@ -29,8 +36,8 @@ def cache_key(req: Request, end: int | None = None) -> list[int]:
 
 class RequestKV:
     def __init__(self, allocator: TokenToKVPoolAllocator, radix: RadixCache, req_to_token: ReqToTokenPool,
-                 recompute_last_match: bool = False, lora: LoRAPool | None = None) -> None:
-        self.recompute_last_match = recompute_last_match
+                 pair_keys: bool = False, lora: LoRAPool | None = None) -> None:
+        self.pair_keys = pair_keys  # see cache_key
         self.lora = lora
         self.allocator = allocator
         self.radix = radix
@@ -49,17 +56,12 @@ class RequestKV:
     def match(self, req: Request) -> torch.Tensor:
         """Lock the longest cached prefix of req (at most len - 1 tokens: the last one must run to give
         the next token's logits; with prompt logprobs, none of the positions still to score, which must
-        run to give theirs; with pooling, none it still has to pool); returns its slots.
-
-        With `recompute_last_match` (a feature draft, whose KV at position p depends on token p + 1, which
-        the cached prefix does not fix for its last token) the last matched token is recomputed too."""
+        run to give theirs; with pooling, none it still has to pool); returns its slots."""
         end = len(req.prompt_ids) + len(req.output_ids) - 1
         if req.params.prompt_logprobs is not None and req.prompt_logprob_len < len(req.prompt_ids) - 1:
             end = min(end, req.prompt_logprob_len)
         end = min(end, first_unpooled(req))
-        slots, node = self.radix.match_prefix(cache_key(req, end))
-        if self.recompute_last_match and len(slots):
-            slots, node = self.radix.match_prefix(cache_key(req, len(slots) - 1))
+        slots, node = self.radix.match_prefix(cache_key(req, end, self.pair_keys))
         self.radix.inc_lock_ref(node)
         req.last_node, req.cached_len, req.kv_len = node, len(slots), len(slots)
         return slots
@@ -108,7 +110,7 @@ class RequestKV:
     def commit_chunk(self, req: Request) -> None:
         """A prefill chunk ran: its tokens go to the tree so the request (and others) can share them."""
         slots = torch.tensor(req.slots[:req.kv_len], dtype=torch.int64)
-        tree_slots, node, cached = self.radix.cache_unfinished(cache_key(req, req.kv_len), slots, req.cached_len,
+        tree_slots, node, cached = self.radix.cache_unfinished(cache_key(req, req.kv_len, self.pair_keys), slots, req.cached_len,
                                                                req.last_node)
         req.slots[:cached] = tree_slots.tolist()
         self._record(req.req_pool_idx, 0, tree_slots)
@@ -160,7 +162,7 @@ class RequestKV:
         self.free_after(req, req.kv_len)
         slots = torch.tensor(req.slots, dtype=torch.int64)
         if cache:
-            self.radix.cache_finished(cache_key(req, req.kv_len), slots, req.cached_len, req.last_node)
+            self.radix.cache_finished(cache_key(req, req.kv_len, self.pair_keys), slots, req.cached_len, req.last_node)
         else:
             self.allocator.free(slots[req.cached_len:])
             self.radix.dec_lock_ref(req.last_node)

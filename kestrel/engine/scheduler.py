@@ -50,13 +50,13 @@ RETRACT_HEADROOM_STEPS = 20
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: TokenToKVPoolAllocator, radix: RadixCache,
                  req_to_token: ReqToTokenPool, eos_token_ids: set[int], context_length: int,
-                 recompute_last_match: bool = False, clock: Callable[[], float] = time.monotonic,
+                 pair_keys: bool = False, clock: Callable[[], float] = time.monotonic,
                  lora: LoRAPool | None = None) -> None:
         """`lora`: the adapter pool (--enable-lora); a batch mixes at most its slots' adapters."""
         self.config = config
         self.clock = clock
         self.allocator = allocator
-        self.kv = RequestKV(allocator, radix, req_to_token, recompute_last_match, lora)
+        self.kv = RequestKV(allocator, radix, req_to_token, pair_keys, lora)
         self.budget = AdmissionBudget(config, allocator.page_size)
         self.finisher = Finishing(eos_token_ids, context_length)
         self.waiting: list[Request] = []  # kept sorted by arrival, so retracted requests go back in place

@@ -15,9 +15,8 @@ Prefill chunks and plain decode steps (speculation off above `speculative_disabl
 as usual, followed by their DRAFT_EXTEND. Rounds resolve before the next step is scheduled, so overlap
 scheduling is off while speculating.
 
-Radix reuse: a feature draft's KV at position p depends on token p + 1, which a cached prefix does not
-fix for its last position, so the engine's prefix match recomputes the last matched token (target and
-draft), see `RequestKV.match`.
+Radix reuse: a feature draft's KV at position p depends on token p + 1, so the radix tree keys position p
+by both tokens when a feature draft runs (`request_kv.cache_key`).
 """
 from __future__ import annotations
 
