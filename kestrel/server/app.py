@@ -117,7 +117,7 @@ def build_app(state: ServerState, max_request_bytes: int, request_read_timeout: 
         # 405 keeps its Allow header.
         return APIError(exc.status_code, message, headers=exc.headers).response(request.url.path)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that only read the status
     async def health() -> Response:
         state.check_health()  # 503 while draining, while the engine process is dead or while its loop is stuck
         return JSONResponse({"status": "ok"})

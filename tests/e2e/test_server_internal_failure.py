@@ -86,6 +86,7 @@ def test_a_request_that_cannot_be_handed_to_the_engine_fails_alone():
             r = await _complete(http)
             assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
         assert (await http.get("/health")).status_code == 200
+        assert (await http.head("/health")).status_code == 200  # probes that send HEAD
         assert deaths == [] and client.alive
 
     asyncio.run(_with_server(scenario))
@@ -112,6 +113,7 @@ def test_a_dead_internal_thread_or_task_turns_health_to_503_and_calls_the_superv
         assert "injected by the test" in r.json()["error"]["message"]
         health = await http.get("/health")
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        assert (await http.head("/health")).status_code == 503
         assert (await _complete(http)).status_code == 503  # until the supervisor's new engine takes over
         assert len(deaths) == 1 and "injected by the test" in deaths[0]
         assert b'kestrel:engine_alive{model_name="fake"} 0.0' in client.metrics.render()
