@@ -51,6 +51,11 @@ class Int4GemmConfig:
     # and reduced across threads once at the end, instead of once per tile (each such reduction crosses
     # warps through shared memory). Unmeasured: the sweep times it as `gemv-deferred`.
     defer_reduce: bool = False
+    # GEMV at one row only (_w4a16_nibble_gemv_kernel): eight passes over a [block_k / 8, block_n] tile of
+    # words, one nibble each, with x's matching column loaded per pass, so the codes never form a 3-D tile
+    # and no layout conversion is needed; the tile lies inside one group (block_k divides group_size), whose
+    # scale multiplies the tile's sums once. Unmeasured: the sweep times it as `gemv-nibbles`.
+    nibbles: bool = False
     num_warps: int = 4
     num_stages: int = 3
 
@@ -121,6 +126,49 @@ def _w4a16_kernel(X, Perm, QW, Z, S, Y, P, Bias, M, N, K, stride_xm, stride_qw, 
                PARTIAL)
 
 
+@triton_jit
+def _w4a16_nibble_gemv_kernel(X, Perm, QW, Z, S, Y, P, Bias, N, K, stride_qw, stride_z, stride_s, stride_pk,
+                              split_k, GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_N: tl.constexpr,
+                              PARTIAL: tl.constexpr):
+    # y[n] = sum_k x[k] W[n, k] for one row of x. A tile: BLOCK_W words of each of BLOCK_N outputs (inputs
+    # 8 BLOCK_W, inside one group). Pass j takes every word's nibble j with x at input 8 w + j: each thread's
+    # products stay in its own registers, summed across threads once after the K loop.
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    tiles = K // (8 * BLOCK_W)  # exact: K is a multiple of GROUP, a multiple of 8 BLOCK_W
+    per_split = tl.cdiv(tiles, split_k)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, tiles)
+    rows = tl.arange(0, BLOCK_W)
+    acc = tl.zeros([BLOCK_W, BLOCK_N], tl.float32)
+    for t in range(lo, hi):
+        offs_w = t * BLOCK_W + rows
+        if EVEN_N:
+            words = tl.load(QW + offs_w[:, None] * stride_qw + offs_n[None, :])
+        else:
+            words = tl.load(QW + offs_w[:, None] * stride_qw + offs_n[None, :], mask=n_mask[None, :], other=0)
+        g = t * 8 * BLOCK_W // GROUP
+        s = tl.load(S + g * stride_s + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        # 2^23 + zero: the codes below become floats 2^23 + code (see _w4a16_kernel), so code - zero is exact.
+        zb = tl.load(Z + g * stride_z + offs_n, mask=n_mask, other=0).to(tl.float32) + 8388608.0
+        part = tl.zeros([BLOCK_W, BLOCK_N], tl.float32)
+        for j in tl.static_range(8):
+            if HAS_PERM:
+                cols = tl.load(Perm + offs_w * 8 + j)
+            else:
+                cols = offs_w * 8 + j
+            xj = tl.load(X + cols).to(tl.float32)
+            code = ((words >> (4 * j)) & 0xF) | 0x4B000000
+            part += xj[:, None] * (code.to(tl.float32, bitcast=True) - zb[None, :])
+        acc += part * s[None, :]
+    offs_m = tl.arange(0, 1)
+    store_tile(tl.sum(acc, 0)[None, :], Y, P, Bias, offs_m, offs_n, offs_m < 1, n_mask, split, 0, stride_pk, 0,
+               HAS_BIAS, PARTIAL)
+
+
 # Per M range: (block_m, block_n, block_k, tl.dot, programs to aim for per SM). From the config sweep at
 # Llama-3.1-8B's four projection shapes on the H100 (kestrel/bench/kernels/int4_gemm.py, docs/benchmarks.md):
 # the fastest or within 3 % of it at every shape, K split up to 8 ways (the sweep's largest).
@@ -170,12 +218,25 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
     if cfg.defer_reduce and (cfg.dot or cfg.fold_groups or m != 1):
         raise ValueError(f"defer_reduce is an option of the plain GEMV at one row (dot=False, fold_groups=False, "
                          f"M = 1), got dot={cfg.dot}, fold_groups={cfg.fold_groups}, M = {m}")
+    if cfg.nibbles and (cfg.dot or cfg.fold_groups or cfg.defer_reduce or m != 1 or group_size % bk):
+        raise ValueError(f"nibbles is a GEMV of its own at one row (dot, fold_groups and defer_reduce off, M = 1) "
+                         f"whose block_k divides group_size {group_size}; got {cfg} at M = {m}")
     if not cfg.dot and m > GEMV_LIMIT_M:
         raise ValueError(f"the GEMV takes at most {GEMV_LIMIT_M} rows of x (got {m})")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     partial = y if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
+    if cfg.nibbles:
+        _w4a16_nibble_gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
+            x, perm if perm is not None else qweight, qweight, zeros, scales, y, partial,
+            bias if bias is not None else y, n, k, qweight.stride(0), zeros.stride(0), scales.stride(0),
+            partial.stride(0), cfg.split_k, GROUP=group_size, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
+            BLOCK_N=cfg.block_n, BLOCK_W=bk // PACK, EVEN_N=n % cfg.block_n == 0, PARTIAL=cfg.split_k > 1,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if cfg.split_k > 1:
+            sum_splits(partial, y, bias, cfg.split_k)
+        return y
     block_m = cfg.block_m if cfg.dot else triton.next_power_of_2(m)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
     _w4a16_kernel[grid](

@@ -7,7 +7,8 @@ and decode batches: what replaces `default_config` (and GEMV_MAX_M) by measureme
 Shapes (K, N): qkv (4096, 6144), o (4096, 4096), gate_up (4096, 28672), down (14336, 4096), group size 128
 (the AWQ checkpoint's), bf16 activations, random codes, zero points and scales. M = 1, 4, 16, 64. Configs
 (`Int4GemmConfig`): the default, the GEMV (M <= GEMV_LIMIT_M) at each tile of GEMV_TILES and split of
-SPLITS, with and without `fold_groups` (and at M = 1 with `defer_reduce`), tl.dot at each of DOT_TILES and
+SPLITS, with and without `fold_groups` (and at M = 1 with `defer_reduce`, and `nibbles` at each of
+NIBBLE_TILES), tl.dot at each of DOT_TILES and
 SPLITS. Each figure is the median over replays of a CUDA graph of one call per weight copy, copies cycled so
 that the weights come from HBM, not L2 (as in a decode step).
 Floor: packed weights + scales + zero points, over the measured copy bandwidth
@@ -37,6 +38,7 @@ FULL = dict(device="cuda", dtype=torch.bfloat16, shapes=SHAPES, ms=[1, 4, 16, 64
 SMOKE = dict(device="cpu", dtype=torch.float32, shapes={"qkv": (256, 48), "down": (384, 32)}, ms=[1, 4, 16],
              iters=1, configs=2)
 GEMV_TILES = [(16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 256, 8), (128, 128, 8)]  # (bn, bk, warps)
+NIBBLE_TILES = [(64, 128, 4), (128, 128, 4), (128, 64, 4), (256, 128, 4), (256, 128, 8), (512, 64, 8)]
 DOT_TILES = [(32, 128, 4, 3), (64, 128, 4, 3), (128, 128, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (64, 256, 4, 3)]
 SPLITS = [1, 2, 4, 8]
 
@@ -49,6 +51,8 @@ def sweep_configs(m: int) -> list[Int4GemmConfig]:
         if m == 1:  # the reduction across threads once per call instead of once per K tile
             configs += [Int4GemmConfig(1, bn, bk, s, dot=False, num_warps=w, defer_reduce=True)
                         for bn, bk, w in GEMV_TILES for s in SPLITS]
+            configs += [Int4GemmConfig(1, bn, bk, s, dot=False, num_warps=w, nibbles=True)
+                        for bn, bk, w in NIBBLE_TILES for s in SPLITS]
     bm = min(64, max(16, triton_pow2(m)))
     configs += [Int4GemmConfig(bm, bn, bk, s, dot=True, num_warps=w, num_stages=st)
                 for bn, bk, w, st in DOT_TILES for s in SPLITS]
@@ -90,7 +94,8 @@ def bench_shape(p: dict, shape: str, m: int, weights: list, bandwidth: float | N
     floor = (k * n // 2 + k // GROUP * n * 3) / bandwidth * 1e3 if bandwidth else None
     default = default_config(m, n, k, dev)
     want = int4_gemm(x, *weights[0], None, GROUP, config=default).float()
-    configs = sweep_configs(m)[: p["configs"]]
+    configs = [c for c in sweep_configs(m) if not p["ways"] or way(dataclasses.asdict(c)) in p["ways"]]
+    configs = configs[: p["configs"]]
     rows = []
     for name, cfg in [("default", default)] + [("sweep", c) for c in configs if c != default]:
         row = {"shape": shape, "M": m, "K": k, "N": n, "kind": name, "config": dataclasses.asdict(cfg)}
@@ -111,10 +116,13 @@ def bench_shape(p: dict, shape: str, m: int, weights: list, bandwidth: float | N
     return rows
 
 
+def way(cfg: dict) -> str:
+    return "dot" if cfg["dot"] else "gemv-folded" if cfg.get("fold_groups") else \
+        "gemv-deferred" if cfg.get("defer_reduce") else "gemv-nibbles" if cfg.get("nibbles") else "gemv"
+
+
 def short(cfg: dict) -> str:
-    way = "dot" if cfg["dot"] else "gemv-folded" if cfg.get("fold_groups") else \
-        "gemv-deferred" if cfg.get("defer_reduce") else "gemv"
-    return (f"{way} m{cfg['block_m']} n{cfg['block_n']} k{cfg['block_k']} s{cfg['split_k']} "
+    return (f"{way(cfg)} m{cfg['block_m']} n{cfg['block_n']} k{cfg['block_k']} s{cfg['split_k']} "
             f"w{cfg['num_warps']} st{cfg['num_stages']}")
 
 
@@ -158,12 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1), tiny shapes, fp32")
     parser.add_argument("--budget-s", type=float, default=270, help="configs that would start past it are skipped")
     parser.add_argument("--ms", type=str, default=None, help="batch rows, e.g. 1,4,16,64")
+    parser.add_argument("--ways", type=str, default="",
+                        help="only these kinds of config beside the default, e.g. gemv-nibbles,gemv-deferred "
+                             "(dot, gemv, gemv-folded, gemv-deferred, gemv-nibbles)")
     args = parser.parse_args(argv)
     if args.smoke:
         require_interpreter()
     p = dict(SMOKE if args.smoke else FULL)
     if args.ms:
         p["ms"] = [int(v) for v in args.ms.split(",")]
+    p["ways"] = set(filter(None, args.ways.split(",")))
     started = time.monotonic()
     dev = torch.device(p["device"])
     bandwidth = copy_bandwidth(dev)
