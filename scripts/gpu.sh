@@ -60,6 +60,8 @@
 #   mla             MLA decode attention alone at 32k context, batch 1 and 32, bf16 and FP8 pools, against the
 #                   latent-bytes floor (kestrel.bench.kernels.mla_decode); the deepseek-v3 slice's one-batch at
 #                   batch 1 and 32 and its lone 8k prefill. < 6 min
+#   int4-m1         the W4A16 GEMM's GEMV variants at M = 1 (nibbles, deferred, folded; < 3 min), then llama-3.1-8b-awq
+#                   one-batch at batch 1 without and with the nibble GEMV as default_config's (NIBBLE_TILE). < 7 min
 #   int4            llama-3.1-8b-awq one-batch at batch 1 and 64 against its 4-bit floor, the bf16 8B beside it
 #                   (the ratio from one machine), and the W4A16 GEMM's config sweep at the 8B's projection shapes,
 #                   M = 1, 4, 16, 64 (kestrel.bench.kernels.int4_gemm). < 9 min
@@ -393,6 +395,18 @@ from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:
           --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 64
       done
       timeout 270 python3 -m kestrel.bench.kernels.int4_gemm --budget-s 240 2>&1 | tail -24 ;;
+    int4-m1)
+      timeout 170 python3 -m kestrel.bench.kernels.int4_gemm --ms 1 --ways gemv-nibbles,gemv-deferred,gemv-folded \
+        --budget-s 150 2>&1 | tail -12
+      for tile in None "(128, 128, 16)"; do  # a module constant: set it in the process before the model runs
+        echo "== llama-3.1-8b-awq one-batch at batch 1, NIBBLE_TILE = $tile"
+        timeout 100 python3 -c "import sys; import kestrel.layers.int4_gemm_triton as g; g.NIBBLE_TILE = $tile
+from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:]))" \
+          --model kestrel/assets/configs/llama-3.1-8b-awq --load-format dummy --batch-size 1 --input-len 128 \
+          --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 1 \
+          --json "$OUT/int4_bs1_nibbles_$([ "$tile" = None ] && echo off || echo on).json" 2>&1 \
+          | grep -v "^\s*$" | grep -v " INFO " | tail -8
+      done ;;
     *)
       echo "gpu.sh: unknown stage '$1' (the list is at the top of scripts/gpu.sh)" >&2
       return 2 ;;

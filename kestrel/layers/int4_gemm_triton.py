@@ -174,11 +174,19 @@ def _w4a16_nibble_gemv_kernel(X, Perm, QW, Z, S, Y, P, Bias, N, K, stride_qw, st
 # the fastest or within 3 % of it at every shape, K split up to 8 ways (the sweep's largest).
 TILES = ((1, (1, 64, 128, False, 16)), (16, (16, 128, 128, True, 8)), (64, (64, 128, 128, True, 1)))
 MAX_SPLIT = 8
+# At M = 1, the nibble-pass GEMV (Int4GemmConfig.nibbles) instead of TILES' GEMV when set: (block_n, block_k
+# at most, programs per SM to aim for). Unmeasured, so off.
+NIBBLE_TILE: tuple[int, int, int] | None = None
 
 
-def default_config(m: int, n: int, k: int, device: torch.device) -> Int4GemmConfig:
+def default_config(m: int, n: int, k: int, device: torch.device, group_size: int = 128) -> Int4GemmConfig:
     """The measured tiles of TILES for M (the GEMV up to GEMV_MAX_M rows), K split until the programs
     reach the aim or a split would hold fewer than 4 K tiles; past M = 64, unmeasured large tiles."""
+    if m == 1 and NIBBLE_TILE is not None:
+        block_n, block_k, per_sm = NIBBLE_TILE
+        block_k = min(block_k, group_size)
+        split = _split(triton.cdiv(n, block_n), triton.cdiv(k, block_k), per_sm, device)
+        return Int4GemmConfig(1, block_n, block_k, split, dot=False, nibbles=True)
     for top, (block_m, block_n, block_k, dot, per_sm) in TILES:
         if m <= top and (dot or m <= GEMV_MAX_M):
             break
@@ -186,12 +194,16 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> Int4GemmConf
         block_m, block_n, block_k, dot, per_sm = 128, 128, 64, True, 2
     if not dot:
         block_m = triton.next_power_of_2(max(m, 1))
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    k_tiles = triton.cdiv(k, block_k)
+    split = _split(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), triton.cdiv(k, block_k), per_sm, device)
+    return Int4GemmConfig(block_m, block_n, block_k, split, dot, num_warps=4 if m <= 64 else 8)
+
+
+def _split(tiles: int, k_tiles: int, per_sm: int, device: torch.device) -> int:
+    """K split in powers of two until the programs reach per_sm per SM or a split would hold < 4 K tiles."""
     split = 1
     while split < MAX_SPLIT and tiles * split < per_sm * sm_count(device) and k_tiles >= 8 * split:
         split *= 2
-    return Int4GemmConfig(block_m, block_n, block_k, split, dot, num_warps=4 if m <= 64 else 8)
+    return split
 
 
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
@@ -206,7 +218,7 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
                          f"group_size {group_size}")
     if x.stride(1) != 1 or qweight.stride(1) != 1:
         raise ValueError("int4_gemm needs row-major x and qweight (inner stride 1)")
-    cfg = config or default_config(m, n, k, x.device)
+    cfg = config or default_config(m, n, k, x.device, group_size)
     bk = cfg.block_k
     if bk & (bk - 1) or bk < 16 or (bk % group_size and group_size % bk):
         raise ValueError(f"block_k must be a power of two >= 16 that divides group_size {group_size} or is a "

@@ -61,6 +61,21 @@ def test_triton_int4_gemm_equals_the_dequantised_weight_in_torch(case, m, cfg):
     torch.testing.assert_close(got, x @ deq.t() + bias, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("case", CASES[1:4], ids=str)
+def test_the_default_takes_the_nibble_gemv_at_one_row_when_set(case, monkeypatch):
+    pytest.importorskip("triton")
+    from kestrel.layers import int4_gemm_triton as g
+
+    monkeypatch.setattr(g, "NIBBLE_TILE", (32, 128, 4))
+    cfg = g.default_config(1, 40, 256, torch.device("cpu"), case.group_size)
+    assert cfg.nibbles and cfg.block_k == min(128, case.group_size)
+    w, deq = packed_weight(case, 40, 256, seed=3)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(5))
+    got = g.int4_gemm(x, w.qweight, w.zeros, w.scales, w.perm, w.group_size)
+    torch.testing.assert_close(got, x @ deq.t(), atol=2e-5, rtol=1e-5)
+    assert not g.default_config(2, 40, 256, torch.device("cpu"), case.group_size).nibbles
+
+
 def test_the_int4_gemm_refuses_options_outside_their_path():
     pytest.importorskip("triton")
     from kestrel.layers.int4_gemm_triton import Int4GemmConfig, int4_gemm

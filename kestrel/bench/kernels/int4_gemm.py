@@ -92,7 +92,7 @@ def bench_shape(p: dict, shape: str, m: int, weights: list, bandwidth: float | N
     dev = torch.device(p["device"])
     x = torch.randn(m, k, device=dev, dtype=p["dtype"])
     floor = (k * n // 2 + k // GROUP * n * 3) / bandwidth * 1e3 if bandwidth else None
-    default = default_config(m, n, k, dev)
+    default = default_config(m, n, k, dev, GROUP)
     want = int4_gemm(x, *weights[0], None, GROUP, config=default).float()
     configs = [c for c in sweep_configs(m) if not p["ways"] or way(dataclasses.asdict(c)) in p["ways"]]
     configs = configs[: p["configs"]]
