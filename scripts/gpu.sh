@@ -142,6 +142,22 @@ $2
 from kestrel.bench.closed_loop import main; main(sys.argv[1:])" $LLAMA --enable-mixed-chunk --enable-piecewise-cuda-graph \
     --num-prompts "${PROMPTS:-320}" --max-concurrency 64 --json "$OUT/closed_$1.json" --cost-trace "$OUT/trace_$1.json" \
     2>&1 | grep -E "output_tok_per_s|itl_|ttft_p99|step_median|step_p99|GPU forward, MIXED"
+  slow_steps "$OUT/trace_$1.json"
+}
+
+slow_steps() {  # slow_steps TRACE: the slowest MIXED steps of a traced closed loop, wall against GPU time
+  python3 - "$1" <<'PY'
+import json, statistics, sys
+timeline = json.load(open(sys.argv[1]))["step_timeline"]
+mixed = [(i, row) for i, row in enumerate(timeline) if row[0] == "MIXED" and row[5] is not None]
+if mixed:
+    typical = statistics.median(row[3] for _, row in mixed)
+    slow = [(i, row) for i, row in mixed if row[3] > 2 * typical]
+    print(f"MIXED steps {len(mixed)}, median {typical:.1f} ms, {len(slow)} over twice that; wall / GPU ms, phases:")
+    for i, row in slow[:40]:
+        phases = " ".join(f"{k} {v:.1f}" for k, v in row[4].items())
+        print(f"  step {i:5d} {row[1]:3d} reqs {row[2]:5d} tok  wall {row[3]:6.1f}  gpu {row[5]:6.1f}  {phases}")
+PY
 }
 
 closed_loop() {  # closed_loop LABEL FLAGS

@@ -79,13 +79,16 @@ def run(engine, prompts: list[list[int]], out_lens: list[int], concurrency: int)
     elapsed = time.perf_counter() - start
     ms = 1e3
     by_kind: dict[str, list[float]] = {}
+    step_gpu: list[float | None] = [None] * len(steps)  # each step's forwards' GPU ms
     if runner.forward_events is not None:
         torch.cuda.synchronize()
         gpu = [s.elapsed_time(e) for s, e in runner.forward_events]
         runner.forward_events = None
-        for (_, mode, reqs, tokens, _, upto, _), (*_, since, _) in zip(steps, [(0,) * 7] + steps):
+        for i, ((_, mode, reqs, tokens, _, upto, _), (*_, since, _)) in enumerate(zip(steps, [(0,) * 7] + steps)):
             kind = f"{mode} {bucket(tokens / reqs, tokens)} new tokens"
-            by_kind.setdefault(kind, []).append(sum(gpu[since:upto]))
+            step_gpu[i] = sum(gpu[since:upto])
+            by_kind.setdefault(kind, []).append(step_gpu[i])
+    order = {id(s): i for i, s in enumerate(steps)}
     pieces = runner.piecewise_graphs
     replays = {m.value: c for m, c in pieces.replays.items()} if pieces is not None else {}
     slow = sorted(steps, key=lambda s: -s[4])[:max(1, len(steps) // 100)]
@@ -103,11 +106,17 @@ def run(engine, prompts: list[list[int]], out_lens: list[int], concurrency: int)
         "piecewise_graph_replays": replays,  # forwards piecewise CUDA graphs served, by mode (warm-up run included)
         "gpu_forward_ms_by_kind": {k: {"steps": len(v), "median": round(median(v), 2), "max": round(max(v), 2)}
                                    for k, v in sorted(by_kind.items())},
-        "slowest_1pct": [{"mode": s[1], "requests": s[2], "new_tokens": s[3], "ms": round(s[4] * ms, 2),
+        "slowest_1pct": [{"step": order[id(s)], "mode": s[1], "requests": s[2], "new_tokens": s[3],
+                          "ms": round(s[4] * ms, 2), "gpu_ms": rounded(step_gpu[order[id(s)]]),
                           "host_ms": phases_ms(s[6])} for s in slow[:20]],
-        # Every step in order, for the traces: mode, requests, new tokens, ms, and its phases' ms.
-        "step_timeline": [[s[1], s[2], s[3], round(s[4] * ms, 3), phases_ms(s[6])] for s in steps],
+        # Every step in order, for the traces: mode, requests, new tokens, ms, its phases' ms and GPU ms.
+        "step_timeline": [[s[1], s[2], s[3], round(s[4] * ms, 3), phases_ms(s[6]), rounded(g)]
+                          for s, g in zip(steps, step_gpu)],
     }
+
+
+def rounded(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)
 
 
 def phases_ms(phases: tuple[float, ...]) -> dict[str, float]:
