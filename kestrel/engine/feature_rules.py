@@ -51,12 +51,6 @@ RULES: tuple[FeatureRule, ...] = (
         lambda field: "with speculative decoding, repetition/frequency/presence penalties and min_new_tokens are "
                       f"not supported; unset {field} or serve without speculative_algorithm"),
     FeatureRule(
-        "speculative_algorithm set", _GRAMMARS,
-        "a grammar's mask depends on the tokens before each node too (one matcher per tree path)",
-        _speculating, _grammar_field,
-        lambda field: f"with speculative decoding, {_GRAMMARS} are not supported yet; drop {field} or serve "
-                      "without speculative_algorithm"),
-    FeatureRule(
         "speculative_algorithm set", "prompt_logprobs",
         "a draft's DRAFT_EXTEND after each prefill chunk reads the token after it, which a prompt that is "
         "only scored never samples; scoring gains nothing from speculation anyway",

@@ -181,6 +181,21 @@ class GrammarBackend:
                 mask[i, state.opener // 32] |= _bit(state.opener % 32)
         return mask
 
+    def fill_tree(self, states: list["GrammarState"], tokens: list[list[int]], parents: list[list[int]],
+                  for_device: bool = True) -> torch.Tensor:
+        """[len(states) * N, ceil(vocab / 32)] int32 host bitmask for a speculative round: row i * N + j has
+        the tokens states[i] allows after the path from the root to node j of request i's draft tree
+        (`tokens`, `parents`: N nodes each, node 0 the root, whose token the state has taken; parents
+        before children). A node under a token the grammar refuses is never accepted: its row allows
+        everything, as does a row where the grammar is not active yet. The states are left as they were."""
+        n = len(tokens[0]) if tokens else 0
+        mask = self._xgr.allocate_token_bitmask(len(states) * n, self.vocab_size)
+        if self.pinned and for_device:
+            mask = mask.pin_memory()
+        for i, state in enumerate(states):
+            state.fill_tree(tokens[i], parents[i], mask, i * n)
+        return mask
+
     def only_stops(self, row: torch.Tensor) -> bool:
         """Whether a filled mask row allows stop tokens at most (the grammar can only end)."""
         return not bool((row & self._not_stop).any())
@@ -219,6 +234,7 @@ class GrammarState:
         self.deadline = deadline  # time.monotonic() past which the request stops waiting for the compile
         self.matcher: "xgrammar.GrammarMatcher | None" = None
         self.error: GrammarError | None = None
+        self._matched = 0  # tokens the matcher took: what a speculative walk rolls back
 
     @property
     def waiting(self) -> bool:
@@ -254,13 +270,50 @@ class GrammarState:
             self.undecided = False
             if token != self.opener:  # no free part: the answer starts here
                 self.trigger = None
-                return self.matcher.accept_token(token)
+                return self._match(token)
         if self.trigger is not None:
             self._recent = (self._recent + [token])[-len(self.trigger):]
             if self._recent == self.trigger:
                 self.trigger = None
             return True
-        return self.matcher.accept_token(token)
+        return self._match(token)
+
+    def _match(self, token: int) -> bool:
+        taken = self.matcher.accept_token(token)
+        self._matched += taken
+        return taken
+
+    def fill_tree(self, tokens: list[int], parents: list[int], mask: torch.Tensor, base: int) -> None:
+        """Rows base + j of `mask`: see GrammarBackend.fill_tree. Walks the tree depth first (a tree is a
+        few levels deep), taking each node's token and rolling it back after its subtree."""
+        children: list[list[int]] = [[] for _ in tokens]
+        for j in range(1, len(tokens)):
+            children[parents[j]].append(j)
+        mask[base:base + len(tokens)] = -1  # every token: the rows the walk does not narrow
+
+        def visit(j: int) -> None:
+            if self.active:
+                if self.matcher.is_terminated():  # a stop token ended the grammar: the request ends there
+                    return
+                self.matcher.fill_next_token_bitmask(mask, base + j)
+                if self.undecided:
+                    mask[base + j, self.opener // 32] |= _bit(self.opener % 32)
+            for c in children[j]:
+                saved = self._snapshot()
+                if self.accept(tokens[c]):  # else a refused token: its subtree is never accepted
+                    visit(c)
+                self._restore(saved)
+
+        visit(0)
+
+    def _snapshot(self) -> tuple:
+        return self.undecided, self.trigger, self._recent, self._matched
+
+    def _restore(self, saved: tuple) -> None:
+        undecided, trigger, recent, matched = saved
+        if self._matched > matched:
+            self.matcher.rollback(self._matched - matched)
+        self.undecided, self.trigger, self._recent, self._matched = undecided, trigger, recent, matched
 
     def ended(self) -> bool:
         """True once the grammar allows nothing but a stop token (or took one); never before it is active."""

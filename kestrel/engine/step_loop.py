@@ -187,8 +187,8 @@ class StepLoop:
     def _launch(self, batch: ScheduledBatch) -> _Launched | None:
         """Forward and sample on the device, then commit the batch; nothing here waits for the device.
         With a draft model, the draft's forward over the same positions follows. Grammar rows whose
-        previous token is still in flight leave the sampling to `step` (no draft model then: speculative
-        decoding refuses grammars)."""
+        previous token is still in flight leave the sampling to `step` (never while speculating: nothing
+        overlaps then)."""
         if self.spec_worker is not None:
             batch.capture_hidden = self.spec_worker.target_capture
         asks = prompt_logprobs.plan(batch)

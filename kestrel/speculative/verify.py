@@ -50,10 +50,14 @@ def verify_tree(runner, batch: ScheduledBatch, tree: DraftTree, context_length: 
     positions = (prefix[:, None] + tree.depths).clamp_(max=context_length - 1).flatten()
     batch.tree_mask = tree.mask.flatten()
     batch.logits_at_all_tokens = True
+    constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    drafted = _tree_to_host(tree) if constrained else None  # copied while the verify runs
     out = runner.forward(batch, DeviceInputs(input_ids=tree.tokens.flatten(), positions=positions))
     logits = out.logits.view(len(reqs), n, -1)
     if sampling.logit_bias is not None:  # the same at every node: it does not depend on the tokens before
         logits = sampling.logit_bias.apply(logits)
+    if constrained:
+        logits = _grammar_masked(logits, [reqs[i].grammar for i in constrained], constrained, drafted)
     if sampling.all_greedy and greedy_graphs is not None and greedy_graphs.can_run(len(reqs)):
         acc = Acceptance(*greedy_graphs(tree.tokens, tree.parents, logits.argmax(-1)))
     else:
@@ -73,6 +77,39 @@ def verify_tree(runner, batch: ScheduledBatch, tree: DraftTree, context_length: 
         logprobs[i] = chosen[:k]
         tops[i] = [[(int(t), v) for t, v in zip(ids[p][:top_n], vals[p][:top_n])] for p in range(k)]
     return CommitPlan(n, counts, paths, tokens, logprobs, tops, out)
+
+
+def _tree_to_host(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+    """The tree's tokens and parents on the host, copied behind the draft's kernels but before the verify's
+    (whose launch comes next): the host fills the grammar masks while the verify runs. The event marks
+    the copies' end on a CUDA device."""
+    if tree.tokens.device.type != "cuda":
+        return tree.tokens, tree.parents, None
+    tokens = torch.empty(tree.tokens.shape, dtype=tree.tokens.dtype, pin_memory=True)
+    parents = torch.empty(tree.parents.shape, dtype=tree.parents.dtype, pin_memory=True)
+    tokens.copy_(tree.tokens, non_blocking=True)
+    parents.copy_(tree.parents, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return tokens, parents, copied
+
+
+def _grammar_masked(logits: torch.Tensor, states: list, rows: list[int], drafted) -> torch.Tensor:
+    """`logits` [B, N, V] with each node of the grammar requests `rows` masked to what its grammar allows
+    after the path to it (kestrel.engine.grammar.GrammarBackend.fill_tree): a drafted token the grammar
+    refuses is then never accepted, and the bonus token obeys it too."""
+    from kestrel.engine.grammar import apply_grammar_mask  # xgrammar: only for grammar requests
+
+    tokens, parents, copied = drafted
+    if copied is not None:
+        copied.synchronize()
+    b, n, vocab = logits.shape
+    mask = states[0].backend.fill_tree(states, tokens[rows].tolist(), parents[rows].tolist())
+    flat = torch.tensor([i * n + j for i in rows for j in range(n)], dtype=torch.int64)
+    device = logits.device
+    masked = apply_grammar_mask(logits.reshape(b * n, vocab), flat.to(device, non_blocking=True),
+                                mask.to(device, non_blocking=True))
+    return masked.view(b, n, vocab)
 
 
 def _path_logprobs(logits: torch.Tensor, acc: Acceptance, asks: list[tuple[int, int]]):

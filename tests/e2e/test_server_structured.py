@@ -232,12 +232,9 @@ def test_required_calls_end_with_the_models_calls_and_cut_calls_read_the_same_st
 
 
 def test_refusals_under_speculative_decoding_name_the_field_the_client_sent(model):
-    """Grammars, penalties, min_tokens and prompt logprobs are refused with speculative decoding: the 400
-    names the request's own field, on every route, whatever SamplingParams field it set."""
-    tool = {"tools": TOOLS, "tool_choice": "required"}
-    cases = [({"response_format": {"type": "json_object"}}, "response_format"), ({"regex": "a+"}, "regex"),
-             ({"json_schema": SCHEMA}, "json_schema"), ({"ebnf": 'root ::= "a"'}, "ebnf"), (tool, "tools"),
-             ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    """Penalties, min_tokens and prompt logprobs are refused with speculative decoding: the 400 names the
+    request's own field, on every route, whatever SamplingParams field it set. Grammars are served."""
+    cases = [({"frequency_penalty": 0.5}, "frequency_penalty"), ({"presence_penalty": 0.5}, "presence_penalty"),
              ({"repetition_penalty": 1.1}, "repetition_penalty"), ({"min_tokens": 2}, "min_tokens")]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_NUM_THREADS", "1")
@@ -248,8 +245,6 @@ def test_refusals_under_speculative_decoding_name_the_field_the_client_sent(mode
             requests = [("/v1/chat/completions", {"messages": MESSAGES, **fields}, param) for fields, param in cases]
             requests += [("/v1/completions", {"prompt": "x", "min_tokens": 2}, "min_tokens"),
                          ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "logprobs"),
-                         ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}},
-                          "response_format"),
                          ("/generate", {"text": "x", "sampling_params": {"min_new_tokens": 2}}, "min_new_tokens"),
                          ("/generate", {"text": "x", "return_logprob": True, "logprob_start_len": 0},
                           "logprob_start_len")]
@@ -259,6 +254,17 @@ def test_refusals_under_speculative_decoding_name_the_field_the_client_sent(mode
                 error = answer.json()["error"]
                 assert error["param"] == param and "speculative decoding" in error["message"], (path, body, error)
             assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 5}).status_code == 200
+            small = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                     "additionalProperties": False}
+            answer = http.post("/v1/chat/completions", json={
+                "messages": MESSAGES, "max_tokens": 200, "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "small", "schema": small}}})
+            assert answer.status_code == 200, answer.text
+            jsonschema.validate(json.loads(answer.json()["choices"][0]["message"]["content"]), small)
+            tools = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 300, "temperature": 0,
+                                                            "tools": TOOLS, "tool_choice": "required"}).json()
+            for call in tools["choices"][0]["message"]["tool_calls"]:
+                jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
     finally:
         srv.stop()
 

@@ -180,10 +180,37 @@ def test_forced_tool_call_grammars_give_calls_that_parse(engine, parser_name):
                 jsonschema.validate(json.loads(call.arguments), schemas[call.name])
 
 
-def test_grammars_are_refused_with_speculative_decoding_and_without_a_tokenizer(model, tmp_path):
-    with Engine(model=model, device="cpu", dtype="float32", speculative_algorithm="NGRAM") as spec:
-        with pytest.raises(ValueError, match=r"grammars \(json_schema, regex, ebnf, structural_tag\)"):
-            spec.add_request(PROMPT, sampling_params=SamplingParams(temperature=0, regex="a"))
+SPECULATION = {"NGRAM": {}, "STANDALONE": dict(speculative_num_steps=3, speculative_eagle_topk=4,
+                                               speculative_num_draft_tokens=8)}
+
+
+@pytest.mark.parametrize("algorithm", sorted(SPECULATION))
+def test_grammars_under_speculative_decoding_give_the_plain_engine_s_greedy_tokens(model, engine, algorithm):
+    """Each node of a draft tree is masked by its request's grammar after the path to it: greedy tokens equal
+    the plain engine's (JSON schema, regex, EBNF, a grammar after a marker, and a request without one in
+    the same batch); sampled answers parse. STANDALONE drafts with the target itself (a tree of 8 nodes),
+    so grammars end and markers complete inside accepted paths."""
+    free = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))[0]
+    greedy = [dict(json_schema=SCHEMA), dict(regex="(yes|no)! [a-z]{2,12}"), dict(ebnf='root ::= ("ab" | "ba")+ "."'),
+              dict(regex="[0-9]{2,6}", grammar_after=tuple(free.token_ids[2:4])), dict(ignore_eos=True)]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=60, **fields) for fields in greedy]
+    want = [(o.token_ids, o.meta["finish_reason"]) for o in engine.generate([PROMPT] * len(params), params)]
+    options = SPECULATION[algorithm]
+    if algorithm == "STANDALONE":
+        options = dict(options, speculative_draft_model_path=model)
+    with Engine(model=model, device="cpu", dtype="float32", speculative_algorithm=algorithm, **options) as spec:
+        outs = spec.generate([PROMPT] * len(params), params)
+        assert [(o.token_ids, o.meta["finish_reason"]) for o in outs] == want
+        if algorithm == "STANDALONE":  # the draft is not masked: it proposes what the model would say freely
+            accepted = [o.meta["spec_accept_length"] for o in outs]
+            assert accepted[-1] > 2 and sum(a > 1.1 for a in accepted[:-1]) >= 2, accepted
+        for out in spec.generate([PROMPT] * 6, sampled(6, max_new_tokens=400, json_schema=SCHEMA)):
+            jsonschema.validate(json.loads(out.text), SCHEMA)
+            assert out.meta["finish_reason"] == "stop"
+        assert_pool_full(spec)
+
+
+def test_a_grammar_without_a_tokenizer_is_refused(tmp_path):
     bare = make_tiny_model("llama", tmp_path / "no-tokenizer")
     with Engine(model=str(bare), device="cpu", dtype="float32") as e:
         with pytest.raises(ValueError, match="regex needs a tokenizer"):
