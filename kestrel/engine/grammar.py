@@ -167,14 +167,7 @@ class GrammarBackend:
     def fill(self, states: list["GrammarState"], for_device: bool = True) -> torch.Tensor:
         """[len(states), ceil(vocab / 32)] int32 host bitmask: row i has the tokens states[i] allows next.
         `for_device`: the mask is for the sampler (pinned when `pinned`), valid until the next such fill."""
-        if not (self.pinned and for_device):
-            mask = self._xgr.allocate_token_bitmask(len(states), self.vocab_size)
-        else:
-            # One buffer serves every step: the copy from it that a step queues has finished before the
-            # next fill, which comes after that step's sampled tokens (queued after the copy) were read.
-            if self._staging is None or self._staging.shape[0] < len(states):
-                self._staging = self._xgr.allocate_token_bitmask(len(states), self.vocab_size).pin_memory()
-            mask = self._staging[:len(states)]
+        mask = self._rows(len(states), for_device)
         self._batch_matcher.batch_fill_next_token_bitmask([s.matcher for s in states], mask)
         for i, state in enumerate(states):  # a first token may also open the free part
             if state.undecided:
@@ -189,12 +182,19 @@ class GrammarBackend:
         before children). A node under a token the grammar refuses is never accepted: its row allows
         everything, as does a row where the grammar is not active yet. The states are left as they were."""
         n = len(tokens[0]) if tokens else 0
-        mask = self._xgr.allocate_token_bitmask(len(states) * n, self.vocab_size)
-        if self.pinned and for_device:
-            mask = mask.pin_memory()
+        mask = self._rows(len(states) * n, for_device)
         for i, state in enumerate(states):
             state.fill_tree(tokens[i], parents[i], mask, i * n)
         return mask
+
+    def _rows(self, count: int, for_device: bool) -> torch.Tensor:
+        if not (self.pinned and for_device):
+            return self._xgr.allocate_token_bitmask(count, self.vocab_size)
+        # One buffer serves every step: the copy from it that a step queues has finished before the next
+        # fill, which comes after that step's sampled tokens (queued after the copy) were read.
+        if self._staging is None or self._staging.shape[0] < count:
+            self._staging = self._xgr.allocate_token_bitmask(count, self.vocab_size).pin_memory()
+        return self._staging[:count]
 
     def only_stops(self, row: torch.Tensor) -> bool:
         """Whether a filled mask row allows stop tokens at most (the grammar can only end)."""

@@ -11,6 +11,7 @@ them (log-softmax after logit_bias, before temperature and filters).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -85,13 +86,20 @@ def _tree_to_host(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor, torch.cu
     the copies' end on a CUDA device."""
     if tree.tokens.device.type != "cuda":
         return tree.tokens, tree.parents, None
-    tokens = torch.empty(tree.tokens.shape, dtype=tree.tokens.dtype, pin_memory=True)
-    parents = torch.empty(tree.parents.shape, dtype=tree.parents.dtype, pin_memory=True)
+    tokens, parents = _pinned(tuple(tree.tokens.shape))
     tokens.copy_(tree.tokens, non_blocking=True)
     parents.copy_(tree.parents, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
     return tokens, parents, copied
+
+
+@lru_cache(maxsize=16)
+def _pinned(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page-locked int64 host buffers for a tree's tokens and parents, reused by every round of that shape
+    (a round reads them before the next one copies)."""
+    return (torch.empty(shape, dtype=torch.int64, pin_memory=True),
+            torch.empty(shape, dtype=torch.int64, pin_memory=True))
 
 
 def _grammar_masked(logits: torch.Tensor, states: list, rows: list[int], drafted) -> torch.Tensor:
