@@ -33,6 +33,8 @@
 #   mixed-decodes   the c64 closed loop with mixed chunks and piecewise graphs, a MIXED step's decodes through the
 #                   extend kernel, then through the decode kernel (triton_backend.DECODE_KERNEL_FOR_MIXED_DECODES),
 #                   with every step's shape, time and prediction (OUT/trace_split_*.json); its GPU test. < 4 min
+#   trace           the c64 closed loop with mixed chunks and piecewise graphs, traced (OUT/trace_default.json), and
+#                   its slow MIXED steps: wall against GPU time with the host phases. < 2.5 min
 #   piecewise       lone 400- and 1000-token prefills eager and with piecewise CUDA graphs; the closed loop with
 #                   --enable-mixed-chunk without and with them (and VARIANTS); tests/gpu/test_piecewise_graph_gpu.py
 #   grammar         grammar masks per decode step at batch 64 (tool call, half tool call, JSON schema); needs
@@ -60,6 +62,8 @@
 #   mla             MLA decode attention alone at 32k context, batch 1 and 32, bf16 and FP8 pools, against the
 #                   latent-bytes floor (kestrel.bench.kernels.mla_decode); the deepseek-v3 slice's one-batch at
 #                   batch 1 and 32 and its lone 8k prefill. < 6 min
+#   one-row-gemv    its GPU test; one-batch at batch 1 with float linears through cuBLAS, then the one-row GEMV
+#                   (kestrel.layers.one_row_gemv.ENABLED); batch 1 with --quantization fp8 and llama-3.1-8b-awq. < 7 min
 #   int4-m1         the W4A16 GEMM's GEMV variants at M = 1 (nibbles, deferred, folded; < 3 min), then llama-3.1-8b-awq
 #                   one-batch at batch 1 without and with the nibble GEMV as default_config's (NIBBLE_TILE). < 7 min
 #   int4            llama-3.1-8b-awq one-batch at batch 1 and 64 against its 4-bit floor, the bf16 8B beside it
@@ -317,6 +321,8 @@ from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:
         TRACE_TIMEOUT=100 traced_closed_loop "split_$split" \
           "import kestrel.attention.triton_backend as t; t.DECODE_KERNEL_FOR_MIXED_DECODES = $split"
       done ;;
+    trace)
+      TRACE_TIMEOUT=120 traced_closed_loop default "pass" ;;
     piecewise)
       for flags in "" "--enable-piecewise-cuda-graph"; do
         for len in 400 1000; do
@@ -411,6 +417,20 @@ from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:
           --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 64
       done
       timeout 270 python3 -m kestrel.bench.kernels.int4_gemm --budget-s 240 2>&1 | tail -24 ;;
+    one-row-gemv)
+      timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_one_row_gemv_gpu.py 2>&1 | tail -2
+      for on in False True; do  # a module constant: set it in the process before the model is loaded
+        echo "== one-batch at batch 1, one_row_gemv.ENABLED = $on"
+        timeout 100 python3 -c "import sys; import kestrel.layers.one_row_gemv as g; g.ENABLED = $on
+from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:]))" $ONE_BATCH --batch-size 1 \
+          --cuda-graph-max-bs 1 --json "$OUT/one_batch_bs1_gemv_$on.json" 2>&1 | grep -v "^\s*$" | grep -v " INFO " \
+          | tail -9
+      done
+      echo "== one-batch at batch 1, --quantization fp8"
+      one_batch 100 one_batch_bs1_fp8 $ONE_BATCH --batch-size 1 --cuda-graph-max-bs 1 --quantization fp8 | tail -9
+      echo "== llama-3.1-8b-awq one-batch at batch 1"
+      one_batch 100 int4_bs1 --model kestrel/assets/configs/llama-3.1-8b-awq --load-format dummy --batch-size 1 \
+        --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 1 | tail -9 ;;
     int4-m1)
       timeout 170 python3 -m kestrel.bench.kernels.int4_gemm --ms 1 --ways gemv-nibbles,gemv-deferred,gemv-folded \
         --budget-s 150 2>&1 | tail -12

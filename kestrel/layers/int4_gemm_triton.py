@@ -54,7 +54,7 @@ class Int4GemmConfig:
     # GEMV at one row only (_w4a16_nibble_gemv_kernel): eight passes over a [block_k / 8, block_n] tile of
     # words, one nibble each, with x's matching column loaded per pass, so the codes never form a 3-D tile
     # and no layout conversion is needed; the tile lies inside one group (block_k divides group_size), whose
-    # scale multiplies the tile's sums once. Unmeasured: the sweep times it as `gemv-nibbles`.
+    # scale multiplies the tile's sums once. The sweep times it as `gemv-nibbles`; default_config's at M = 1.
     nibbles: bool = False
     num_warps: int = 4
     num_stages: int = 3
@@ -175,8 +175,10 @@ def _w4a16_nibble_gemv_kernel(X, Perm, QW, Z, S, Y, P, Bias, N, K, stride_qw, st
 TILES = ((1, (1, 64, 128, False, 16)), (16, (16, 128, 128, True, 8)), (64, (64, 128, 128, True, 1)))
 MAX_SPLIT = 8
 # At M = 1, the nibble-pass GEMV (Int4GemmConfig.nibbles) instead of TILES' GEMV when set: (block_n, block_k
-# at most, programs per SM to aim for). Unmeasured, so off.
-NIBBLE_TILE: tuple[int, int, int] | None = None
+# at most, programs per SM to aim for). The H100's sweep (docs/benchmarks.md): 64 x 128 with K split 8 ways was
+# the fastest config at all four of Llama-3.1-8B's shapes, the projections' sum 2.85 ms against 3.43 ms for
+# the best of the other GEMVs; a batch-1 step 3.92 -> 3.67 ms with 128 x 128 tiles.
+NIBBLE_TILE: tuple[int, int, int] | None = (64, 128, 16)
 
 
 def default_config(m: int, n: int, k: int, device: torch.device, group_size: int = 128) -> Int4GemmConfig:

@@ -10,9 +10,11 @@ class Kernels:
     both phases). `triton_elementwise`: fused add+RMSNorm and SiLU-and-mul Triton kernels (CUDA only).
     `triton_fp8`: FP8 linear layers run the Triton FP8 GEMM (CUDA only; else their torch reference).
     `triton_int4`: AWQ / GPTQ linear layers run the Triton W4A16 GEMM (CUDA only; else the dequantised
-    weight in torch)."""
+    weight in torch). `triton_gemv`: float linear layers at one row (batch-1 decode) run the Triton GEMV
+    (kestrel.layers.one_row_gemv; CUDA only)."""
 
     triton_rope: bool = False
     triton_elementwise: bool = False
     triton_fp8: bool = False
     triton_int4: bool = False
+    triton_gemv: bool = False

@@ -103,7 +103,17 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device 
 
 def _quantized(model: CausalLM, quantization: str | None, kernels: Kernels, hf_config: dict) -> CausalLM:
     """The model with its float weights quantized online (`quantization="fp8"`), or given random 4-bit
-    weights (dummy weights under an AWQ / GPTQ config), or as it is."""
+    weights (dummy weights under an AWQ / GPTQ config), or as it is; then its float linears at one row
+    through the Triton GEMV (`kernels.triton_gemv`)."""
+    _quantize(model, quantization, kernels, hf_config)
+    if kernels.triton_gemv:
+        from kestrel.layers.one_row_gemv import route_one_row_linears
+
+        route_one_row_linears(model)
+    return model
+
+
+def _quantize(model: CausalLM, quantization: str | None, kernels: Kernels, hf_config: dict) -> None:
     if quantization == "fp8":
         from kestrel.quant.linears import quantize_linears
 
@@ -112,7 +122,6 @@ def _quantized(model: CausalLM, quantization: str | None, kernels: Kernels, hf_c
         from kestrel.quant.linears import random_int4_linears
 
         random_int4_linears(model, int4_config(hf_config["quantization_config"]), kernels.triton_int4)
-    return model
 
 
 def copy_checkpoint(model: nn.Module, model_path: str | Path, what: str, stacked_params: StackedParams,

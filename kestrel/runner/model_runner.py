@@ -34,7 +34,7 @@ def triton_on_device(config: EngineConfig) -> bool:
 def layer_kernels(config: EngineConfig) -> Kernels:
     on_device = triton_on_device(config)
     return Kernels(triton_rope=on_device and shared_triton_kernel(config), triton_elementwise=on_device,
-                   triton_fp8=on_device, triton_int4=on_device)
+                   triton_fp8=on_device, triton_int4=on_device, triton_gemv=on_device)
 
 
 class ModelRunner:

@@ -117,10 +117,12 @@ def build_app(state: ServerState, max_request_bytes: int, request_read_timeout: 
         # 405 keeps its Allow header.
         return APIError(exc.status_code, message, headers=exc.headers).response(request.url.path)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that only read the status
+    @app.get("/health")
     async def health() -> Response:
         state.check_health()  # 503 while draining, while the engine process is dead or while its loop is stuck
         return JSONResponse({"status": "ok"})
+
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)  # probes that read the status
 
     @app.get("/ping")
     @app.post("/ping")
