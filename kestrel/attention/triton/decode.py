@@ -76,10 +76,10 @@ def _decode_partial_kernel(
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:  # the interpreter computes bf16 wrong: work in float32 there
         q = q.to(tl.float32)
-    elif K.dtype.element_ty.is_fp8():
+    elif FP8_MAX > 0:
         # An FP8 pool: the entries become fp16 in one conversion per pair (to bf16 takes several, enough
-        # to make the kernel issue-bound), so both dots run in fp16 (float32 sums; entries <= 448, q and
-        # the probabilities well inside fp16's range).
+        # to make the kernel issue-bound), so both dots run in fp16 (float32 sums; entries <= FP8_MAX, q
+        # and the probabilities well inside fp16's range).
         q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
