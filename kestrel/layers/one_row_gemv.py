@@ -1,12 +1,13 @@
 """Batch-1 decode's float linear layers through kestrel's Triton GEMV instead of cuBLAS.
 
-At one row a linear layer only streams its weight. On the H100 (docs/benchmarks.md, "The one-row GEMV,
-the int4 nibble GEMV and offline r=0 on the H100") the GEMV of kestrel/layers/fp8_gemm_triton.py over bf16 weights, 8 rows x 512 inputs per program
-with the cross-thread reduction deferred to the end (`GemvConfig.defer_reduce`), read Llama-3.1-8B's
-projections at 92.6 % of copy bandwidth against cuBLAS's 86.2 % (qkv 85.9 against 70.3 %), with no split-K
-reduce launch; a batch-1 step of the 8B 6.08 -> 5.71 ms. `route_one_row_linears` gives every plain float linear of a model (nn.Linear and the
-merged / column-parallel ones, whose forward is nn.Linear's) a forward that takes the GEMV at one row and
-F.linear otherwise; quantized layers keep their own kernels.
+At one row a linear layer only streams its weight. On the H100 (docs/benchmarks.md, "The one-row
+GEMV, the int4 nibble GEMV and offline r=0 on the H100") the GEMV of kestrel/layers/fp8_gemm_triton.py
+over bf16 weights, 8 rows x 512 inputs per program with the cross-thread reduction deferred to the end
+(`GemvConfig.defer_reduce`), read Llama-3.1-8B's projections at 92.6 % of copy bandwidth against cuBLAS's
+86.2 % (qkv 85.9 against 70.3 %), with no split-K reduce launch; a batch-1 step of the 8B went from 6.08
+to 5.71 ms. `route_one_row_linears` gives every plain float linear of a model (nn.Linear and the merged /
+column-parallel ones, whose forward is nn.Linear's) a forward that takes the GEMV at one row and F.linear
+otherwise; quantized layers keep their own kernels.
 """
 from __future__ import annotations
 
