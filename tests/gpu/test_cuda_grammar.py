@@ -30,3 +30,23 @@ def test_cuda_grammar_outputs_are_valid_and_overlap_changes_nothing(tmp_path):
     for ids, reason, text in outs[False][1::2]:
         assert reason == "stop"
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_cuda_grammars_under_speculation_give_the_plain_engine_s_greedy_tokens(tmp_path):
+    """A draft tree's nodes masked on the host while the verify runs (tree copied to pinned memory behind
+    the draft, CUDA graphs on): greedy tokens equal the plain CUDA engine's, sampled JSON validates."""
+    model = make_grammar_model(tmp_path)
+    greedy = [SamplingParams(max_new_tokens=60, temperature=0.0, **fields)
+              for fields in (dict(json_schema=SCHEMA), dict(regex="(yes|no)! [a-z]{2,12}"), dict(ignore_eos=True))]
+    prompts = ["Answer in JSON:"] * len(greedy)
+    with Engine(model=model, device="cuda", dtype="float32") as plain:
+        want = [(o.token_ids, o.meta["finish_reason"]) for o in plain.generate(prompts, greedy)]
+    with Engine(model=model, device="cuda", dtype="float32", speculative_algorithm="STANDALONE",
+                speculative_draft_model_path=model, speculative_num_steps=3, speculative_eagle_topk=4,
+                speculative_num_draft_tokens=8) as spec:
+        assert [(o.token_ids, o.meta["finish_reason"]) for o in spec.generate(prompts, greedy)] == want
+        sampled = [SamplingParams(max_new_tokens=200, temperature=1.0, seed=s, json_schema=SCHEMA) for s in range(8)]
+        for out in spec.generate(["Answer in JSON:"] * 8, sampled):
+            assert out.meta["finish_reason"] == "stop"
+            jsonschema.validate(json.loads(out.text), SCHEMA)
+        assert_pool_full(spec)
