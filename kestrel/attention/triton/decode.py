@@ -26,7 +26,14 @@ import triton.language as tl
 
 from kestrel.attention.triton.common import attend_block, sink_denominator
 from kestrel.envs import triton_jit
+from kestrel.quant.fp8 import is_fp8
 from kestrel.quant.fp8_triton import fp8_store_args, to_storage
+
+# Over an FP8 pool, convert the entries to fp16 and run both dots in fp16 (float32 sums; entries <= 448,
+# q and the probabilities well inside fp16's range) instead of converting them to bf16: e4m3 -> fp16 is
+# one instruction per pair, e4m3 -> bf16 several, and an FP8 pool reads 49-65 % of copy bandwidth against
+# bf16's 85-97 % (docs/benchmarks.md). Off until measured on a GPU.
+FP8_POOL_FP16_DOTS = False
 
 
 @triton_jit
@@ -38,7 +45,7 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     DIRECT: tl.constexpr, PER_REQUEST_CHUNK: tl.constexpr, FP8_MAX: tl.constexpr, EXACT_ROUND: tl.constexpr,
-    HAS_SINKS: tl.constexpr, RING: tl.constexpr,
+    HAS_SINKS: tl.constexpr, RING: tl.constexpr, FP16_DOTS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -76,10 +83,7 @@ def _decode_partial_kernel(
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:  # the interpreter computes bf16 wrong: work in float32 there
         q = q.to(tl.float32)
-    elif FP8_MAX > 0:
-        # An FP8 pool: the entries become fp16 in one conversion per pair (to bf16 takes several, enough
-        # to make the kernel issue-bound), so both dots run in fp16 (float32 sums; entries <= FP8_MAX, q
-        # and the probabilities well inside fp16's range).
+    elif FP16_DOTS:  # see FP8_POOL_FP16_DOTS
         q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -221,7 +225,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
         BLOCK_N=block_n, USE_WINDOW=sliding_window is not None, UPCAST=upcast,
         # float32 stays float32 (TF32 would drift from the reference); half types use tensor cores.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct, PER_REQUEST_CHUNK=per_request,
-        **fp8_store_args(k_buf.dtype), HAS_SINKS=sinks is not None, RING=ring, num_warps=num_warps, num_stages=num_stages,
+        **fp8_store_args(k_buf.dtype), HAS_SINKS=sinks is not None, RING=ring,
+        FP16_DOTS=FP8_POOL_FP16_DOTS and is_fp8(k_buf.dtype) and not upcast, num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
         merge_splits(mid_o, mid_lse, out, num_splits, counts if per_request else None, sinks)
