@@ -110,8 +110,8 @@ class RequestKV:
     def commit_chunk(self, req: Request) -> None:
         """A prefill chunk ran: its tokens go to the tree so the request (and others) can share them."""
         slots = torch.tensor(req.slots[:req.kv_len], dtype=torch.int64)
-        tree_slots, node, cached = self.radix.cache_unfinished(cache_key(req, req.kv_len, self.pair_keys), slots, req.cached_len,
-                                                               req.last_node)
+        key = cache_key(req, req.kv_len, self.pair_keys)
+        tree_slots, node, cached = self.radix.cache_unfinished(key, slots, req.cached_len, req.last_node)
         req.slots[:cached] = tree_slots.tolist()
         self._record(req.req_pool_idx, 0, tree_slots)
         req.last_node, req.cached_len = node, cached
