@@ -44,13 +44,6 @@ def _grammar_field(params: SamplingParams) -> str | None:
 
 RULES: tuple[FeatureRule, ...] = (
     FeatureRule(
-        "speculative_algorithm set", "repetition/frequency/presence penalties, min_new_tokens",
-        "both change the target's distribution per node by the tokens before it, which differ along the "
-        "draft tree; not applied there yet",
-        _speculating, lambda p: (p.penalties or ["min_new_tokens"])[0] if p.penalties or p.min_new_tokens else None,
-        lambda field: "with speculative decoding, repetition/frequency/presence penalties and min_new_tokens are "
-                      f"not supported; unset {field} or serve without speculative_algorithm"),
-    FeatureRule(
         "speculative_algorithm set", "prompt_logprobs",
         "a draft's DRAFT_EXTEND after each prefill chunk reads the token after it, which a prompt that is "
         "only scored never samples; scoring gains nothing from speculation anyway",

@@ -135,6 +135,16 @@ class SamplingBatch:
         )
 
 
+def token_dependent_inputs(reqs: list, vocab_size: int, eos_token_ids: set[int], device: torch.device | str
+                           ) -> tuple[Penalties | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The SamplingBatch fields that depend on a row's tokens so far (penalties, min_new_tokens blocking),
+    for rows given as objects with `prompt_ids`, `output_ids`, `pending`, `params` and `num_generated`
+    (a verify builds one per draft-tree node)."""
+    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    return _build_penalties(reqs, tensor), _build_blocked(reqs, vocab_size, eos_token_ids, tensor)
+
+
 def _sampling_tensors(reqs: list[Request], greedy: list[bool], vocab_size: int,
                       tensor: _ToTensor) -> dict[str, torch.Tensor | None]:
     """The SamplingBatch fields of a batch with at least one sampled row; greedy rows get neutral values."""

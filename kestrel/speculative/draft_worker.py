@@ -132,7 +132,8 @@ class DraftWorker:
         tree = self.lanes.draft(rows, batch.prefix_lens, roots)
         batch.capture_hidden = self.draft.target_capture
         sampling = SamplingBatch.from_requests(reqs, self.target.vocab_size, self.eos_token_ids, self.device)
-        plan = verify_tree(self.target, batch, tree, self.context_length, sampling, self.greedy_graphs)
+        plan = verify_tree(self.target, batch, tree, self.context_length, sampling, self.eos_token_ids,
+                           self.greedy_graphs)
         self.accept_lengths += plan.counts
         return plan
 

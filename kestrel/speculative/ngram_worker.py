@@ -42,7 +42,7 @@ class NgramWorker:
         draft = propose_ngram([r.fill_ids for r in reqs], self.num_draft, max_depth=self.num_steps,
                               max_breadth=self.topk, device=self.runner.device)
         sampling = SamplingBatch.from_requests(reqs, self.runner.vocab_size, self.eos_token_ids, self.runner.device)
-        plan = verify_tree(self.runner, batch, draft.tree, self.context_length, sampling)
+        plan = verify_tree(self.runner, batch, draft.tree, self.context_length, sampling, self.eos_token_ids)
         self.accept_lengths += plan.counts
         return plan
 

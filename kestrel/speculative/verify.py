@@ -10,13 +10,15 @@ them (log-softmax after logit_bias, before temperature and filters).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
+from types import SimpleNamespace
 
 import torch
 
 from kestrel.core.batch import ScheduledBatch
-from kestrel.sampling.sampler import SamplingBatch
+from kestrel.sampling.sampler import SamplingBatch, token_dependent_inputs
 from kestrel.core.forward_batch import DeviceInputs
 from kestrel.core.forward_output import ForwardOutput
 from kestrel.speculative.accept import Acceptance, accept_sampling
@@ -39,7 +41,7 @@ class CommitPlan:
 
 
 def verify_tree(runner, batch: ScheduledBatch, tree: DraftTree, context_length: int,
-                sampling: SamplingBatch, greedy_graphs=None) -> CommitPlan:
+                sampling: SamplingBatch, eos_token_ids: set[int], greedy_graphs=None) -> CommitPlan:
     """Score `tree` (on the runner's device) for `batch` (a TARGET_VERIFY from the scheduler, whose
     requests' sampled tokens are all resolved) and accept; the scheduler is left as it is.
     `greedy_graphs` (kestrel.speculative.draft_worker): greedy acceptance as CUDA graphs, for all-greedy batches."""
@@ -52,13 +54,25 @@ def verify_tree(runner, batch: ScheduledBatch, tree: DraftTree, context_length: 
     batch.tree_mask = tree.mask.flatten()
     batch.logits_at_all_tokens = True
     constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
-    drafted = _tree_to_host(tree) if constrained else None  # copied while the verify runs
+    per_node = sampling.penalties is not None or sampling.blocked is not None
+    drafted = _tree_to_host(tree) if constrained or per_node else None  # copied while the verify runs
     out = runner.forward(batch, DeviceInputs(input_ids=tree.tokens.flatten(), positions=positions))
     logits = out.logits.view(len(reqs), n, -1)
+    # The sampler's order: penalties, logit_bias, min_new_tokens blocking, grammar. All but the bias depend
+    # on the tokens before each node, which differ along the tree: those are applied per node.
+    penalties, blocked = _per_node(reqs, drafted, sampling.vocab_size, eos_token_ids, logits.device) \
+        if per_node else (None, None)
+    if penalties is not None:
+        logits = penalties.apply(logits.reshape(-1, logits.shape[-1]).float()).view(logits.shape)
     if sampling.logit_bias is not None:  # the same at every node: it does not depend on the tokens before
         logits = sampling.logit_bias.apply(logits)
+    if blocked is not None:
+        logits = logits.reshape(-1, logits.shape[-1]).float().index_put(blocked, logits.new_full((), float("-inf")))
+        logits = logits.view(len(reqs), n, -1)
     if constrained:
         logits = _grammar_masked(logits, [reqs[i].grammar for i in constrained], constrained, drafted)
+    if per_node:  # applied above; acceptance takes the logits as they are now
+        sampling = dataclasses.replace(sampling, penalties=None, blocked=None)
     if sampling.all_greedy and greedy_graphs is not None and greedy_graphs.can_run(len(reqs)):
         acc = Acceptance(*greedy_graphs(tree.tokens, tree.parents, logits.argmax(-1)))
     else:
@@ -100,6 +114,24 @@ def _pinned(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     (a round reads them before the next one copies)."""
     return (torch.empty(shape, dtype=torch.int64, pin_memory=True),
             torch.empty(shape, dtype=torch.int64, pin_memory=True))
+
+
+def _per_node(reqs: list, drafted, vocab_size: int, eos_token_ids: set[int], device: torch.device):
+    """Penalties and min_new_tokens blocking for every node of the tree (row i * N + j), as the sampler
+    builds them for a request whose output is its own plus the drafted tokens on the path to that node."""
+    tokens, parents, copied = drafted
+    if copied is not None:
+        copied.synchronize()
+    tokens, parents = tokens.tolist(), parents.tolist()
+    rows = []
+    for i, req in enumerate(reqs):
+        paths: list[list[int]] = [[]]  # the drafted tokens from the root (committed) to each node
+        for j in range(1, len(tokens[i])):
+            paths.append(paths[parents[i][j]] + [tokens[i][j]])
+        for path in paths:
+            rows.append(SimpleNamespace(prompt_ids=req.prompt_ids, output_ids=req.output_ids + path, pending=(),
+                                        params=req.params, num_generated=req.num_generated + len(path)))
+    return token_dependent_inputs(rows, vocab_size, eos_token_ids, device)
 
 
 def _grammar_masked(logits: torch.Tensor, states: list, rows: list[int], drafted) -> torch.Tensor:

@@ -47,14 +47,25 @@ def test_ngram_with_a_tiny_pool_retracts_and_stops_at_the_context(tiny_model):
         assert_pool_full(spec)
 
 
-def test_ngram_samples_reproducibly_and_refuses_penalties(tiny_model):
+def test_ngram_samples_reproducibly(tiny_model):
     params = [SamplingParams(max_new_tokens=12, temperature=0.8, seed=s, ignore_eos=True) for s in range(3)]
     with Engine(model=tiny_model("llama"), device="cpu", dtype="float32", speculative_algorithm="NGRAM") as spec:
         first = [o.token_ids for o in spec.generate(prompt_token_ids=repetitive_prompts()[:3], sampling_params=params)]
         assert first == [o.token_ids for o in spec.generate(prompt_token_ids=repetitive_prompts()[:3],
                                                             sampling_params=params)]
-        with pytest.raises(ValueError, match="penalties and min_new_tokens are not supported"):
-            spec.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(presence_penalty=0.5))
+
+
+def test_ngram_penalties_equal_plain_greedy(tiny_model):
+    """Repetitive prompts, where n-gram drafts repeat tokens the penalties push down: applied per node."""
+    model, prompts = tiny_model("llama"), repetitive_prompts()
+    params = [SamplingParams(max_new_tokens=16, temperature=0.0, **fields) for fields in
+              (dict(repetition_penalty=1.5), dict(frequency_penalty=0.9), dict(presence_penalty=2.0),
+               dict(min_new_tokens=10), dict(repetition_penalty=1.2, presence_penalty=0.5), {}, {})]
+    with Engine(model=model, device="cpu", dtype="float32") as plain:
+        want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    with Engine(model=model, device="cpu", dtype="float32", speculative_algorithm="NGRAM") as spec:
+        assert [o.token_ids for o in spec.generate(prompt_token_ids=prompts, sampling_params=params)] == want
+        assert_pool_full(spec)
 
 
 def test_ngram_applies_logit_bias_in_the_verify(tiny_model):

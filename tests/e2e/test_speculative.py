@@ -155,15 +155,45 @@ def test_logprobs_of_committed_tokens_match_plain_decoding(models):
             [[t for t, _ in top] for top in w.meta["output_top_logprobs"]]
 
 
-def test_sampling_is_reproducible_and_refuses_penalties(models):
+def test_sampling_is_reproducible(models):
     params = [SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True) for s in range(4)]
     with spec_engine(models, "STANDALONE", TREE) as engine:
         first = [o.token_ids for o in engine.generate(prompt_token_ids=prompts()[:4], sampling_params=params)]
         again = [o.token_ids for o in engine.generate(prompt_token_ids=prompts()[:4], sampling_params=params)]
         assert first == again and len({tuple(t) for t in first}) > 1
-        with pytest.raises(ValueError, match="penalties and min_new_tokens are not supported"):
-            engine.add_request(prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(repetition_penalty=1.2))
         assert_pool_full(engine)
+
+
+PENALIZED = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.7), dict(presence_penalty=1.1),
+             dict(frequency_penalty=-0.4, presence_penalty=0.3, repetition_penalty=0.8),
+             dict(min_new_tokens=12, stop_token_ids=[7, 9, 11, 40, 99]), dict(min_new_tokens=5)]
+
+
+@pytest.mark.parametrize("algorithm,shape", [("EAGLE", TREE), ("STANDALONE", CHAIN), ("STANDALONE", TREE)],
+                         ids=["eagle-tree", "standalone-chain", "standalone-tree"])
+def test_penalties_and_min_new_tokens_apply_per_node(models, algorithm, shape):
+    """Penalties and min_new_tokens depend on the tokens before each node: applied per node of the tree, so
+    greedy output equals the plain engine's with the same parameters (which differs from the unpenalized
+    output), logprobs included; the target as its own draft still gets most drafts accepted."""
+    batch = prompts()[:6]
+    params = [SamplingParams(max_new_tokens=20, temperature=0.0, logprobs=1, **fields) for fields in PENALIZED]
+    unpenalized = plain_greedy(models["target"], batch, max_new_tokens=20)
+    with Engine(model=models["target"], **COMMON) as plain:
+        want = plain.generate(prompt_token_ids=batch, sampling_params=params)
+    assert sum(w.token_ids != u for w, u in zip(want, unpenalized)) >= 4
+    drafts = [models[algorithm]] + ([models["target"]] if algorithm == "STANDALONE" else [])
+    for draft in drafts:
+        with Engine(model=models["target"], speculative_algorithm=algorithm, speculative_draft_model_path=draft,
+                    **shape, **COMMON) as engine:
+            got = engine.generate(prompt_token_ids=batch, sampling_params=params)
+            assert [g.token_ids for g in got] == [w.token_ids for w in want]
+            for w, g in zip(want, got):
+                torch.testing.assert_close(torch.tensor([lp for lp, _ in g.meta["output_token_logprobs"]]),
+                                           torch.tensor([lp for lp, _ in w.meta["output_token_logprobs"]]),
+                                           atol=1e-4, rtol=0)
+            assert_pool_full(engine)
+    if algorithm == "STANDALONE":  # the last engine drafted with the target itself
+        assert sum(g.meta["spec_accept_length"] for g in got) / len(got) > 2
 
 
 def _chi_square_p(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -14,8 +14,6 @@ TENSOR_PARALLEL = EngineConfig(parallel=ParallelConfig(tp_size=2))
 
 
 @pytest.mark.parametrize("config, params, field", [
-    (SPECULATIVE, SamplingParams(repetition_penalty=1.2), "repetition_penalty"),
-    (SPECULATIVE, SamplingParams(min_new_tokens=2, max_new_tokens=4), "min_new_tokens"),
     (SPECULATIVE, SamplingParams(prompt_logprobs=1), "prompt_logprobs"),
     (TENSOR_PARALLEL, SamplingParams(json_schema={"type": "string"}), "json_schema"),
 ])
@@ -26,8 +24,9 @@ def test_each_rule_refuses_its_field_only_with_its_engine_feature(config, params
     check_request(EngineConfig(), params)  # plain engine: served
 
 
-def test_grammars_are_served_with_speculative_decoding():
-    check_request(SPECULATIVE, SamplingParams(regex="a+"))
+def test_grammars_penalties_and_min_tokens_are_served_with_speculative_decoding():
+    check_request(SPECULATIVE, SamplingParams(regex="a+", repetition_penalty=1.2, frequency_penalty=0.3,
+                                              min_new_tokens=2, max_new_tokens=4))
 
 
 def test_explain_lists_every_rule_and_marks_those_in_force():
