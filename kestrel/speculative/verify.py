@@ -96,8 +96,8 @@ def verify_tree(runner, batch: ScheduledBatch, tree: DraftTree, context_length: 
 
 def _tree_to_host(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
     """The tree's tokens and parents on the host, copied behind the draft's kernels but before the verify's
-    (whose launch comes next): the host fills the grammar masks while the verify runs. The event marks
-    the copies' end on a CUDA device."""
+    (whose launch comes next): the host builds the per-node penalties and grammar masks while the verify
+    runs. The event marks the copies' end on a CUDA device."""
     if tree.tokens.device.type != "cuda":
         return tree.tokens, tree.parents, None
     tokens, parents = _pinned(tuple(tree.tokens.shape))
