@@ -5,8 +5,10 @@ Shared by every algorithm: the proposer (a draft model, or n-gram matching) give
 request; the target scores all its nodes in one forward with the tree mask; acceptance walks the tree
 (greedy, or the distribution-preserving rule for sampled requests). The result is a `CommitPlan`: the
 engine's step loop commits it (keeps the accepted path's KV, gives the other new slots back, step 5).
+The logits of each node are processed as the sampler processes a step's (penalties, logit_bias, the
+min_new_tokens block, the grammar's mask), for the output that the path to the node would make.
 Logprobs of the committed tokens come from the same logits, as the non-speculative sampler computes
-them (log-softmax after logit_bias, before temperature and filters).
+them (log-softmax after those, before temperature and filters).
 """
 from __future__ import annotations
 
