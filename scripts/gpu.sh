@@ -64,7 +64,7 @@
 #                   batch 1 and 32 and its lone 8k prefill. < 6 min
 #   one-row-gemv    its GPU test; one-batch at batch 1 with float linears through cuBLAS, then the one-row GEMV
 #                   (kestrel.layers.one_row_gemv.ENABLED); batch 1 with --quantization fp8 and llama-3.1-8b-awq. < 7 min
-#   int4-m1         the W4A16 GEMM's GEMV variants at M = 1 (nibbles, deferred, folded; < 3 min), then llama-3.1-8b-awq
+#   int4-m1         the W4A16 GEMM's GEMVs at M = 1 (the nibble GEMV and the other; < 3 min), then llama-3.1-8b-awq
 #                   one-batch at batch 1 without and with the nibble GEMV as default_config's (NIBBLE_TILE). < 7 min
 #   int4            llama-3.1-8b-awq one-batch at batch 1 and 64 against its 4-bit floor, the bf16 8B beside it
 #                   (the ratio from one machine), and the W4A16 GEMM's config sweep at the 8B's projection shapes,
@@ -432,7 +432,7 @@ from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:
       one_batch 100 int4_bs1 --model kestrel/assets/configs/llama-3.1-8b-awq --load-format dummy --batch-size 1 \
         --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 1 | tail -9 ;;
     int4-m1)
-      timeout 170 python3 -m kestrel.bench.kernels.int4_gemm --ms 1 --ways gemv-nibbles,gemv-deferred,gemv-folded \
+      timeout 170 python3 -m kestrel.bench.kernels.int4_gemm --ms 1 --ways gemv-nibbles,gemv \
         --budget-s 150 2>&1 | tail -12
       for tile in None "(128, 128, 16)"; do  # a module constant: set it in the process before the model runs
         echo "== llama-3.1-8b-awq one-batch at batch 1, NIBBLE_TILE = $tile"

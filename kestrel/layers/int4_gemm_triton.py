@@ -43,18 +43,13 @@ class Int4GemmConfig:
     block_k: int  # a power of two >= 16, dividing the group size or a multiple of it
     split_k: int = 1
     dot: bool = True  # False: the GEMV (products on CUDA cores)
-    # GEMV only: multiply x by the raw codes and apply each group's zero point and scale once per output
-    # (sum_k x_k (c_k - z) s = s (sum_k x_k c_k - z sum_k x_k)): one float op less per weight. Unmeasured:
-    # the sweep (kestrel.bench.kernels.int4_gemm) times it beside the plain GEMV.
-    fold_groups: bool = False
-    # GEMV at one row only: the products summed into a [block_k, block_n] float32 tile over the K loop
-    # and reduced across threads once at the end, instead of once per tile (each such reduction crosses
-    # warps through shared memory). Unmeasured: the sweep times it as `gemv-deferred`.
-    defer_reduce: bool = False
     # GEMV at one row only (_w4a16_nibble_gemv_kernel): eight passes over a [block_k / 8, block_n] tile of
     # words, one nibble each, with x's matching column loaded per pass, so the codes never form a 3-D tile
     # and no layout conversion is needed; the tile lies inside one group (block_k divides group_size), whose
     # scale multiplies the tile's sums once. The sweep times it as `gemv-nibbles`; default_config's at M = 1.
+    # (Two other GEMV variants, the reduction across threads deferred to the end of the K loop and each
+    # group's zero point and scale applied to its partial sums, were measured beside it on the H100 and won
+    # at no shape: removed.)
     nibbles: bool = False
     num_warps: int = 4
     num_stages: int = 3
@@ -65,7 +60,7 @@ def _w4a16_kernel(X, Perm, QW, Z, S, Y, P, Bias, M, N, K, stride_xm, stride_qw, 
                   stride_pk, stride_pm, split_k, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr,
                   ROWS_PER_SCALE: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-                  DOT: tl.constexpr, IEEE: tl.constexpr, FOLD: tl.constexpr, DEFER: tl.constexpr):
+                  DOT: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -80,8 +75,6 @@ def _w4a16_kernel(X, Perm, QW, Z, S, Y, P, Bias, M, N, K, stride_xm, stride_qw, 
     shifts = tl.arange(0, 8) * 4
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if DEFER:  # BLOCK_M == 1: per-thread sums over the K loop, one reduction after it
-        acc_k = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
     for t in range(lo, hi):
         k0 = t * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -105,23 +98,14 @@ def _w4a16_kernel(X, Perm, QW, Z, S, Y, P, Bias, M, N, K, stride_xm, stride_qw, 
         # 2^23 + zero gives code - zero exactly.
         w = (codes | 0x4B000000).to(tl.float32, bitcast=True)
         w = tl.reshape(w, [SCALE_ROWS, ROWS_PER_SCALE, BLOCK_N])
-        if FOLD:  # the GEMV with each group's zero point and scale applied to its partial sums
-            xg = tl.reshape(x.to(tl.float32), [BLOCK_M, SCALE_ROWS, ROWS_PER_SCALE])
-            part = tl.sum(xg[:, :, :, None] * (w - 8388608.0)[None, :, :, :], 2)  # [BLOCK_M, SCALE_ROWS, BLOCK_N]
-            acc += tl.sum((part - tl.sum(xg, 2)[:, :, None] * z[None, :, :]) * s[None, :, :], 1)
-        else:
-            w = tl.reshape((w - (z[:, None, :] + 8388608.0)) * s[:, None, :], [BLOCK_K, BLOCK_N])
-            if DOT:
-                if IEEE:
-                    acc += tl.dot(x, w, input_precision="ieee")
-                else:
-                    acc += tl.dot(x, w.to(X.dtype.element_ty))
-            elif DEFER:
-                acc_k += tl.reshape(x.to(tl.float32), [BLOCK_K])[:, None] * w
+        w = tl.reshape((w - (z[:, None, :] + 8388608.0)) * s[:, None, :], [BLOCK_K, BLOCK_N])
+        if DOT:
+            if IEEE:
+                acc += tl.dot(x, w, input_precision="ieee")
             else:
-                acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], 1)
-    if DEFER:
-        acc += tl.sum(acc_k, 0)[None, :]
+                acc += tl.dot(x, w.to(X.dtype.element_ty))
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], 1)
     store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_ym, stride_pk, stride_pm, HAS_BIAS,
                PARTIAL)
 
@@ -227,14 +211,9 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
                          f"multiple of it, got {bk}")
     if cfg.dot and cfg.block_m < 16:
         raise ValueError(f"the tl.dot path needs block_m >= 16, got {cfg.block_m}")
-    if cfg.fold_groups and cfg.dot:
-        raise ValueError("fold_groups is a GEMV option (dot=False)")
-    if cfg.defer_reduce and (cfg.dot or cfg.fold_groups or m != 1):
-        raise ValueError(f"defer_reduce is an option of the plain GEMV at one row (dot=False, fold_groups=False, "
-                         f"M = 1), got dot={cfg.dot}, fold_groups={cfg.fold_groups}, M = {m}")
-    if cfg.nibbles and (cfg.dot or cfg.fold_groups or cfg.defer_reduce or m != 1 or group_size % bk):
-        raise ValueError(f"nibbles is a GEMV of its own at one row (dot, fold_groups and defer_reduce off, M = 1) "
-                         f"whose block_k divides group_size {group_size}; got {cfg} at M = {m}")
+    if cfg.nibbles and (cfg.dot or m != 1 or group_size % bk):
+        raise ValueError(f"nibbles is a GEMV of its own at one row (dot off, M = 1) whose block_k divides "
+                         f"group_size {group_size}; got {cfg} at M = {m}")
     if not cfg.dot and m > GEMV_LIMIT_M:
         raise ValueError(f"the GEMV takes at most {GEMV_LIMIT_M} rows of x (got {m})")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -259,8 +238,7 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
         scales.stride(0), y.stride(0), partial.stride(0), partial.stride(1) if cfg.split_k > 1 else 0,
         cfg.split_k, GROUP=group_size, SCALE_ROWS=max(1, bk // group_size), ROWS_PER_SCALE=min(bk, group_size),
         HAS_PERM=perm is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=bk, PARTIAL=cfg.split_k > 1, DOT=cfg.dot, IEEE=x.dtype == torch.float32, FOLD=cfg.fold_groups,
-        DEFER=cfg.defer_reduce,
+        BLOCK_K=bk, PARTIAL=cfg.split_k > 1, DOT=cfg.dot, IEEE=x.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         sum_splits(partial, y, bias, cfg.split_k)

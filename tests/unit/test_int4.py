@@ -37,10 +37,8 @@ GEMM_CONFIGS = [  # (M, config): defaults (GEMV at M = 1), tl.dot with split K, 
     (3, dict(block_m=16, block_n=32, block_k=16, split_k=3)),
     (20, dict(block_m=16, block_n=64, block_k=128, split_k=2)),
     (4, dict(block_m=4, block_n=16, block_k=64, split_k=2, dot=False)),
-    (1, dict(block_m=1, block_n=16, block_k=64, split_k=2, dot=False, fold_groups=True)),  # 2 tiles a group at 128
-    (3, dict(block_m=4, block_n=32, block_k=128, dot=False, fold_groups=True)),  # 2, 4 groups a tile at 64, 32
-    (1, dict(block_m=1, block_n=16, block_k=64, split_k=2, dot=False, defer_reduce=True)),
-    (1, dict(block_m=1, block_n=32, block_k=128, dot=False, defer_reduce=True)),
+    (1, dict(block_m=1, block_n=16, block_k=64, split_k=2, dot=False)),  # 2 tiles a group at 128
+    (3, dict(block_m=4, block_n=32, block_k=128, dot=False)),  # 2, 4 groups a tile at 64, 32
     (1, dict(block_m=1, block_n=16, block_k=32, split_k=3, dot=False, nibbles=True)),  # act-order: x through perm
     (1, dict(block_m=1, block_n=64, block_k=16, dot=False, nibbles=True)),  # N = 40: a masked tile
 ]
@@ -82,11 +80,6 @@ def test_the_int4_gemm_refuses_options_outside_their_path():
 
     w, _ = packed_weight(CASES[1], 40, 256, seed=0)
     x = torch.randn(2, 256)
-    for cfg in (Int4GemmConfig(2, 16, 64, dot=False, defer_reduce=True),
-                Int4GemmConfig(16, 16, 64, defer_reduce=True),
-                Int4GemmConfig(1, 16, 64, dot=False, fold_groups=True, defer_reduce=True)):
-        with pytest.raises(ValueError, match="defer_reduce is an option of the plain GEMV at one row"):
-            int4_gemm(x[:1] if cfg.block_m == 1 else x, w.qweight, w.zeros, w.scales, w.perm, w.group_size, config=cfg)
     for rows, cfg in ((2, Int4GemmConfig(2, 16, 64, dot=False, nibbles=True)),
                       (1, Int4GemmConfig(1, 16, 256, dot=False, nibbles=True)),  # a tile across groups of 128
                       (1, Int4GemmConfig(16, 16, 64, nibbles=True))):

@@ -7,8 +7,7 @@ and decode batches: what replaces `default_config` (and GEMV_MAX_M) by measureme
 Shapes (K, N): qkv (4096, 6144), o (4096, 4096), gate_up (4096, 28672), down (14336, 4096), group size 128
 (the AWQ checkpoint's), bf16 activations, random codes, zero points and scales. M = 1, 4, 16, 64. Configs
 (`Int4GemmConfig`): the default, the GEMV (M <= GEMV_LIMIT_M) at each tile of GEMV_TILES and split of
-SPLITS, with and without `fold_groups` (and at M = 1 with `defer_reduce`, and `nibbles` at each of
-NIBBLE_TILES), tl.dot at each of DOT_TILES and
+SPLITS (and at M = 1 the nibble GEMV at each of NIBBLE_TILES), tl.dot at each of DOT_TILES and
 SPLITS. Each figure is the median over replays of a CUDA graph of one call per weight copy, copies cycled so
 that the weights come from HBM, not L2 (as in a decode step).
 Floor: packed weights + scales + zero points, over the measured copy bandwidth
@@ -46,11 +45,9 @@ SPLITS = [1, 2, 4, 8]
 def sweep_configs(m: int) -> list[Int4GemmConfig]:
     configs = []
     if m <= GEMV_LIMIT_M:
-        configs += [Int4GemmConfig(triton_pow2(m), bn, bk, s, dot=False, num_warps=w, fold_groups=fold)
-                    for bn, bk, w in GEMV_TILES for s in SPLITS for fold in (False, True)]
-        if m == 1:  # the reduction across threads once per call instead of once per K tile
-            configs += [Int4GemmConfig(1, bn, bk, s, dot=False, num_warps=w, defer_reduce=True)
-                        for bn, bk, w in GEMV_TILES for s in SPLITS]
+        configs += [Int4GemmConfig(triton_pow2(m), bn, bk, s, dot=False, num_warps=w)
+                    for bn, bk, w in GEMV_TILES for s in SPLITS]
+        if m == 1:
             configs += [Int4GemmConfig(1, bn, bk, s, dot=False, num_warps=w, nibbles=True)
                         for bn, bk, w in NIBBLE_TILES for s in SPLITS]
     bm = min(64, max(16, triton_pow2(m)))
@@ -117,8 +114,7 @@ def bench_shape(p: dict, shape: str, m: int, weights: list, bandwidth: float | N
 
 
 def way(cfg: dict) -> str:
-    return "dot" if cfg["dot"] else "gemv-folded" if cfg.get("fold_groups") else \
-        "gemv-deferred" if cfg.get("defer_reduce") else "gemv-nibbles" if cfg.get("nibbles") else "gemv"
+    return "dot" if cfg["dot"] else "gemv-nibbles" if cfg.get("nibbles") else "gemv"
 
 
 def short(cfg: dict) -> str:
@@ -167,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=270, help="configs that would start past it are skipped")
     parser.add_argument("--ms", type=str, default=None, help="batch rows, e.g. 1,4,16,64")
     parser.add_argument("--ways", type=str, default="",
-                        help="only these kinds of config beside the default, e.g. gemv-nibbles,gemv-deferred "
-                             "(dot, gemv, gemv-folded, gemv-deferred, gemv-nibbles)")
+                        help="only these kinds of config beside the default, e.g. gemv-nibbles,gemv "
+                             "(dot, gemv, gemv-nibbles)")
     args = parser.parse_args(argv)
     if args.smoke:
         require_interpreter()
