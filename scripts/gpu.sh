@@ -62,6 +62,8 @@
 #   mla             MLA decode attention alone at 32k context, batch 1 and 32, bf16 and FP8 pools, against the
 #                   latent-bytes floor (kestrel.bench.kernels.mla_decode); the deepseek-v3 slice's one-batch at
 #                   batch 1 and 32 and its lone 8k prefill. < 6 min
+#   fp8-pool        decode attention over an FP8 pool with its dots in fp16 (triton/decode.py FP8_POOL_FP16_DOTS): the
+#                   FP8 GPU tests with it on, and the mixed-length kernel bench off, then on. < 4 min
 #   one-row-gemv    its GPU test; one-batch at batch 1 with float linears through cuBLAS, then the one-row GEMV
 #                   (kestrel.layers.one_row_gemv.ENABLED); batch 1 with --quantization fp8 and llama-3.1-8b-awq. < 7 min
 #   int4-m1         the W4A16 GEMM's GEMVs at M = 1 (the nibble GEMV and the other; < 3 min), then llama-3.1-8b-awq
@@ -417,6 +419,18 @@ from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:
           --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 64
       done
       timeout 270 python3 -m kestrel.bench.kernels.int4_gemm --budget-s 240 2>&1 | tail -24 ;;
+    fp8-pool)
+      server_deps || return 1
+      # A module constant: set it in the process before the kernel compiles.
+      timeout 120 python3 -c "import sys, pytest; import kestrel.attention.triton.decode as d; d.FP8_POOL_FP16_DOTS = True
+sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', 'tests/gpu/test_fp8_gpu.py']))" 2>&1 | tail -3
+      for on in False True; do
+        echo "== decode attention over an FP8 pool, FP8_POOL_FP16_DOTS = $on"
+        timeout 60 python3 -c "import sys, runpy; import kestrel.attention.triton.decode as d; d.FP8_POOL_FP16_DOTS = $on
+sys.argv[0] = 'decode_attention'; runpy.run_module('kestrel.bench.kernels.decode_attention', run_name='__main__')" \
+          --kv-dtype fp8_e4m3 --cases r0-mid 64x4096 --targets 4096 --chunks 1024 \
+          --json "$OUT/decode_fp8_fp16dots_$on.json" 2>&1 | tail -6
+      done ;;
     one-row-gemv)
       timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_one_row_gemv_gpu.py 2>&1 | tail -2
       for on in False True; do  # a module constant: set it in the process before the model is loaded
