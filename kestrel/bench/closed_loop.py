@@ -88,10 +88,9 @@ def run(engine, prompts: list[list[int]], out_lens: list[int], concurrency: int)
             kind = f"{mode} {bucket(tokens / reqs, tokens)} new tokens"
             step_gpu[i] = sum(gpu[since:upto])
             by_kind.setdefault(kind, []).append(step_gpu[i])
-    order = {id(s): i for i, s in enumerate(steps)}
     pieces = runner.piecewise_graphs
     replays = {m.value: c for m, c in pieces.replays.items()} if pieces is not None else {}
-    slow = sorted(steps, key=lambda s: -s[4])[:max(1, len(steps) // 100)]
+    slow = sorted(range(len(steps)), key=lambda i: -steps[i][4])[:max(1, len(steps) // 100)]  # step indices
     gaps = [b[0] - b[4] - a[0] for a, b in zip(steps, steps[1:])]  # host time between two steps
     return {
         "elapsed_s": elapsed, "output_tok_per_s": sum(out_lens) / elapsed,
@@ -102,13 +101,13 @@ def run(engine, prompts: list[list[int]], out_lens: list[int], concurrency: int)
         "steps": len(steps), "step_median_ms": median(s[4] for s in steps) * ms,
         "step_p99_ms": percentile([s[4] for s in steps], 99) * ms,
         "between_steps_p99_ms": percentile(gaps, 99) * ms if gaps else 0.0,
-        "slowest_1pct_by_mode": dict(Counter(s[1] for s in slow)),
+        "slowest_1pct_by_mode": dict(Counter(steps[i][1] for i in slow)),
         "piecewise_graph_replays": replays,  # forwards piecewise CUDA graphs served, by mode (warm-up run included)
         "gpu_forward_ms_by_kind": {k: {"steps": len(v), "median": round(median(v), 2), "max": round(max(v), 2)}
                                    for k, v in sorted(by_kind.items())},
-        "slowest_1pct": [{"step": order[id(s)], "mode": s[1], "requests": s[2], "new_tokens": s[3],
-                          "ms": round(s[4] * ms, 2), "gpu_ms": rounded(step_gpu[order[id(s)]]),
-                          "host_ms": phases_ms(s[6])} for s in slow[:20]],
+        "slowest_1pct": [{"step": i, "mode": steps[i][1], "requests": steps[i][2], "new_tokens": steps[i][3],
+                          "ms": round(steps[i][4] * ms, 2), "gpu_ms": rounded(step_gpu[i]),
+                          "host_ms": phases_ms(steps[i][6])} for i in slow[:20]],
         # Every step in order, for the traces: mode, requests, new tokens, ms, its phases' ms and GPU ms.
         "step_timeline": [[s[1], s[2], s[3], round(s[4] * ms, 3), phases_ms(s[6]), rounded(g)]
                           for s, g in zip(steps, step_gpu)],

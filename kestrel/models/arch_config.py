@@ -42,17 +42,20 @@ class ArchConfig:
     eos_token_ids: tuple[int, ...]
 
 
+def check_silu(config: dict[str, Any], who: str) -> None:
+    """Refuse an activation other than SiLU (transformers' "swish" is the same function)."""
+    act = config.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act={act!r} is not supported; {who} 'silu' (or its other name, 'swish')")
+
+
 def parse_arch_config(config: dict[str, Any]) -> ArchConfig:
     """Validate and normalize a HF config dict; raises ValueError naming what is unsupported."""
     archs = config.get("architectures") or []
     if not archs:
         raise ValueError("config.json has no `architectures` entry; cannot tell which model to build")
     arch = archs[0]
-    act = config.get("hidden_act", "silu")
-    # transformers' "swish" is the same function as "silu".
-    if act not in ("silu", "swish"):
-        raise ValueError(f"hidden_act={act!r} is not supported; Llama-family models need 'silu' (or its other "
-                         "name, 'swish')")
+    check_silu(config, "Llama-family models need")
     check_sizes(config)
     missing = [key for key in _SIZES if key != "num_key_value_heads" and key not in config]
     if missing:

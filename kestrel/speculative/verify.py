@@ -60,9 +60,11 @@ def verify_tree(runner, batch: ScheduledBatch, tree: DraftTree, context_length: 
     drafted = _tree_to_host(tree) if constrained or per_node else None  # copied while the verify runs
     out = runner.forward(batch, DeviceInputs(input_ids=tree.tokens.flatten(), positions=positions))
     logits = out.logits.view(len(reqs), n, -1)
+    if drafted is not None:
+        drafted = _host_lists(*drafted)  # (tokens, parents) per request: waits for the draft only
     # The sampler's order: penalties, logit_bias, min_new_tokens blocking, grammar. All but the bias depend
     # on the tokens before each node, which differ along the tree: those are applied per node.
-    penalties, blocked = _per_node(reqs, drafted, sampling.vocab_size, eos_token_ids, logits.device) \
+    penalties, blocked = _per_node(reqs, *drafted, sampling.vocab_size, eos_token_ids, logits.device) \
         if per_node else (None, None)
     if penalties is not None:
         logits = penalties.apply(logits.reshape(-1, logits.shape[-1]).float()).view(logits.shape)
@@ -72,7 +74,7 @@ def verify_tree(runner, batch: ScheduledBatch, tree: DraftTree, context_length: 
         logits = logits.reshape(-1, logits.shape[-1]).float().index_put(blocked, logits.new_full((), float("-inf")))
         logits = logits.view(len(reqs), n, -1)
     if constrained:
-        logits = _grammar_masked(logits, [reqs[i].grammar for i in constrained], constrained, drafted)
+        logits = _grammar_masked(logits, [reqs[i].grammar for i in constrained], constrained, *drafted)
     if per_node:  # applied above; acceptance takes the logits as they are now
         sampling = dataclasses.replace(sampling, penalties=None, blocked=None)
     if sampling.all_greedy and greedy_graphs is not None and greedy_graphs.can_run(len(reqs)):
@@ -110,6 +112,13 @@ def _tree_to_host(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor, torch.cu
     return tokens, parents, copied
 
 
+def _host_lists(tokens: torch.Tensor, parents: torch.Tensor, copied: torch.cuda.Event | None
+                ) -> tuple[list[list[int]], list[list[int]]]:
+    if copied is not None:
+        copied.synchronize()
+    return tokens.tolist(), parents.tolist()
+
+
 @lru_cache(maxsize=16)
 def _pinned(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Page-locked int64 host buffers for a tree's tokens and parents, reused by every round of that shape
@@ -118,13 +127,10 @@ def _pinned(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
             torch.empty(shape, dtype=torch.int64, pin_memory=True))
 
 
-def _per_node(reqs: list, drafted, vocab_size: int, eos_token_ids: set[int], device: torch.device):
+def _per_node(reqs: list, tokens: list[list[int]], parents: list[list[int]], vocab_size: int,
+              eos_token_ids: set[int], device: torch.device):
     """Penalties and min_new_tokens blocking for every node of the tree (row i * N + j), as the sampler
     builds them for a request whose output is its own plus the drafted tokens on the path to that node."""
-    tokens, parents, copied = drafted
-    if copied is not None:
-        copied.synchronize()
-    tokens, parents = tokens.tolist(), parents.tolist()
     rows = []
     for i, req in enumerate(reqs):
         paths: list[list[int]] = [[]]  # the drafted tokens from the root (committed) to each node
@@ -136,17 +142,15 @@ def _per_node(reqs: list, drafted, vocab_size: int, eos_token_ids: set[int], dev
     return token_dependent_inputs(rows, vocab_size, eos_token_ids, device)
 
 
-def _grammar_masked(logits: torch.Tensor, states: list, rows: list[int], drafted) -> torch.Tensor:
+def _grammar_masked(logits: torch.Tensor, states: list, rows: list[int], tokens: list[list[int]],
+                    parents: list[list[int]]) -> torch.Tensor:
     """`logits` [B, N, V] with each node of the grammar requests `rows` masked to what its grammar allows
     after the path to it (kestrel.engine.grammar.GrammarBackend.fill_tree): a drafted token the grammar
     refuses is then never accepted, and the bonus token obeys it too."""
     from kestrel.engine.grammar import apply_grammar_mask  # xgrammar: only for grammar requests
 
-    tokens, parents, copied = drafted
-    if copied is not None:
-        copied.synchronize()
     b, n, vocab = logits.shape
-    mask = states[0].backend.fill_tree(states, tokens[rows].tolist(), parents[rows].tolist())
+    mask = states[0].backend.fill_tree(states, [tokens[i] for i in rows], [parents[i] for i in rows])
     flat = torch.tensor([i * n + j for i in rows for j in range(n)], dtype=torch.int64)
     device = logits.device
     masked = apply_grammar_mask(logits.reshape(b * n, vocab), flat.to(device, non_blocking=True),

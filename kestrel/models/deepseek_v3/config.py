@@ -6,7 +6,7 @@ from typing import Any
 
 from kestrel.layers.moe.config import MoEConfig, RouterConfig
 from kestrel.layers.rotary import RopeConfig, yarn_softmax_scale
-from kestrel.models.arch_config import parse_rope
+from kestrel.models.arch_config import check_silu, parse_rope
 
 _SIZES = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
           "vocab_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
@@ -57,11 +57,7 @@ def parse_v3_config(config: dict[str, Any]) -> V3Config:
         value = config.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{key} must be a positive integer, got {value!r}")
-    act = config.get("hidden_act", "silu")
-    # transformers' "swish" is the same function as "silu".
-    if act not in ("silu", "swish"):
-        raise ValueError(f"hidden_act={act!r} is not supported; DeepSeek-V3 uses 'silu' (or its other name, "
-                         "'swish')")
+    check_silu(config, "DeepSeek-V3 uses")
     heads = config["num_attention_heads"]
     if config.get("num_key_value_heads", heads) != heads:
         raise ValueError(f"num_key_value_heads={config['num_key_value_heads']}: MLA has one key/value per query "
