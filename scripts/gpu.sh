@@ -17,7 +17,7 @@
 #   offline-512     1000 x 512/256 prompts against transformers generate() at batch 128
 #   offline-4k-r0   500 x 4096/2048, random range ratio 0 (SGLang's CI workload); -r1: fixed lengths.
 #   offline-4k-r1   OFFLINE_FLAGS: engine flags, OFFLINE_TAG: a suffix for the JSON's name, OFFLINE_PROMPTS,
-#                   OFFLINE_TIMEOUT (default 290 s)
+#                   OFFLINE_TIMEOUT (default 290 s), OFFLINE_SETUP: Python run in the process before the engine
 #   serving         `kestrel serve` + the HTTP benchmark at concurrency 64 (SERVING_PROMPTS, default 320), then
 #                   one-batch at batch 64 with 600-token prompts (ONE_BATCH_OUTPUT output tokens, default 300)
 #   tail            the serving workload against one server per variant in VARIANTS, with the server's own ITL
@@ -133,8 +133,10 @@ one_batch() {  # one_batch TIMEOUT JSON_NAME FLAGS...
     | grep -v "^\s*$" | grep -v " INFO " | tail -14
 }
 
-offline_4k() {  # offline_4k RATIO
-  timeout "${OFFLINE_TIMEOUT:-290}" python3 -m kestrel.cli bench offline $LLAMA --num-prompts "${OFFLINE_PROMPTS:-500}" \
+offline_4k() {  # offline_4k RATIO; OFFLINE_SETUP: Python run in the process first (e.g. setting a module constant)
+  timeout "${OFFLINE_TIMEOUT:-290}" python3 -c "import sys
+${OFFLINE_SETUP:-}
+from kestrel.cli import main; sys.exit(main(['bench', 'offline'] + sys.argv[1:]))" $LLAMA --num-prompts "${OFFLINE_PROMPTS:-500}" \
     --random-input-len 4096 --random-output-len 2048 --random-range-ratio "$1" \
     --json "$OUT/offline_4096_2048_r$1${OFFLINE_TAG:-}.json" ${OFFLINE_FLAGS:-} 2>&1 | tail -10
 }
