@@ -66,6 +66,10 @@
 #                   FP8 GPU tests with it on, and the mixed-length kernel bench off, then on. < 4 min
 #   one-row-gemv    its GPU test; one-batch at batch 1 with float linears through cuBLAS, then the one-row GEMV
 #                   (kestrel.layers.one_row_gemv.ENABLED); batch 1 with --quantization fp8 and llama-3.1-8b-awq. < 7 min
+#   fp8-w8a16       the FP8 GEMV sweep at M <= 8 with W8A16 configs (GemvConfig.quantize_x False), then batch 1 with
+#                   --quantization fp8 with fp8_gemm_triton.GEMV_QUANTIZE_X True, then False. < 6 min
+#   moe-bs1         Qwen3-30B-A3B and gpt-oss-20b at batch 1 (graphs up to 1), then Qwen3's eager kernels at batch 1
+#                   (OUT/moe_profile_bs1.txt). < 5 min
 #   int4-m1         the W4A16 GEMM's GEMVs at M = 1 (the nibble GEMV and the other; < 3 min), then llama-3.1-8b-awq
 #                   one-batch at batch 1 without and with the nibble GEMV as default_config's (NIBBLE_TILE). < 7 min
 #   int4            llama-3.1-8b-awq one-batch at batch 1 and 64 against its 4-bit floor, the bf16 8B beside it
@@ -447,6 +451,29 @@ from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:
       echo "== llama-3.1-8b-awq one-batch at batch 1"
       one_batch 100 int4_bs1 --model kestrel/assets/configs/llama-3.1-8b-awq --load-format dummy --batch-size 1 \
         --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 1 | tail -9 ;;
+    fp8-w8a16)
+      # The FP8 GEMV at M = 1 without quantizing the activations (GemvConfig.quantize_x) in the sweep, then
+      # batch 1 with --quantization fp8 with GEMV_QUANTIZE_X off and on, one process each.
+      timeout 150 python3 -m kestrel.bench.kernels.fp8 --gemv-only --budget 120 2>&1 | grep -E "^ ?1 |M <=|shape" \
+        | head -12
+      for quant in True False; do  # a module constant: set it in the process before the model runs
+        echo "== one-batch at batch 1, --quantization fp8, GEMV_QUANTIZE_X = $quant"
+        timeout 100 python3 -c "import sys; import kestrel.layers.fp8_gemm_triton as g; g.GEMV_QUANTIZE_X = $quant
+from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:]))" $ONE_BATCH --batch-size 1 \
+          --cuda-graph-max-bs 1 --quantization fp8 --json "$OUT/one_batch_bs1_fp8_quantx_$quant.json" 2>&1 \
+          | grep -v "^\s*$" | grep -v " INFO " | tail -8
+      done ;;
+    moe-bs1)
+      # Batch 1 of both MoE families (graphs up to 1), then Qwen3-30B-A3B's eager kernels at batch 1.
+      for model in ${MOE_MODELS:-qwen3-30b-a3b gpt-oss-20b}; do
+        echo "== $model: one-batch at batch 1"
+        one_batch 100 "moe_${model}_bs1" --model "kestrel/assets/configs/$model" --load-format dummy \
+          --max-total-tokens 65536 --batch-size 1 --input-len 128 --output-len 128 --cuda-graph-max-bs 1 | tail -9
+      done
+      one_batch 100 moe_profile_bs1 --model kestrel/assets/configs/qwen3-30b-a3b --load-format dummy \
+        --max-total-tokens 65536 --batch-size 1 --input-len 256 --output-len 8 --disable-cuda-graph \
+        --profile "$OUT/moe_profile_bs1.txt" > /dev/null
+      head -30 "$OUT/moe_profile_bs1.txt" ;;
     int4-m1)
       timeout 170 python3 -m kestrel.bench.kernels.int4_gemm --ms 1 --ways gemv-nibbles,gemv \
         --budget-s 150 2>&1 | tail -12

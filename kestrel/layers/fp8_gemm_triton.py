@@ -42,6 +42,9 @@ GEMV_MAX_M = 1
 # The largest M the GEMV takes: a weight byte costs M FMAs on CUDA cores, and at M = 8 streaming the H200's
 # 4.8 TB/s already asks 8 x 4.8e12 FMA/s = 77 TFLOP/s, above its ~67 TFLOP/s of float32. Past that, tl.dot.
 GEMV_LIMIT_M = 8
+# Whether default_gemv_config quantizes the activations as the tl.dot path does (GemvConfig.quantize_x). A
+# module constant so that a benchmark can set it in its process before the model runs.
+GEMV_QUANTIZE_X = True
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,10 @@ class GemvConfig:
     # reduced across threads once at the end, instead of once per strip (warp shuffles each time).
     # Unmeasured: the sweep (kestrel/bench/kernels/fp8.py) times it beside the plain GEMV.
     defer_reduce: bool = False
+    # FP8 weights only. False: x stays in its float dtype (W8A16: the weight's scale goes onto x, x is not
+    # rounded to e4m3), which spares each strip the per-group max and rounding that fp8_gemm's numerics
+    # need; more exact than them, no longer bit-equal to the tl.dot path's. GEMV_QUANTIZE_X sets the default.
+    quantize_x: bool = True
 
 
 @triton_jit
@@ -156,7 +163,7 @@ def store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_ym
 def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym,
                  stride_pk, stride_pm, split_k, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
                  FUSED_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PARTIAL: tl.constexpr, EXACT_ROUND: tl.constexpr, DEFER: tl.constexpr):
+                 PARTIAL: tl.constexpr, EXACT_ROUND: tl.constexpr, DEFER: tl.constexpr, QUANT_X: tl.constexpr):
     # One program: BLOCK_N weight rows x one split of K, for all M tokens at once, so each weight byte is
     # read once per step. No tensor cores: products in float32 registers, tl.sum over each strip. split_k
     # is not a constexpr, so a sweep over it compiles once.
@@ -184,7 +191,9 @@ def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, str
             # Both scales go onto the activation, which is BLOCK_N times smaller than the weight strip:
             # x_k * x_scale(group) * w_scale(group), then one product per weight.
             groups = offs_k // 128
-            if FUSED_QUANT:
+            if not QUANT_X:  # W8A16: only the weight's scale
+                pass
+            elif FUSED_QUANT:
                 xq, x_s = _quant_tile(tl.reshape(x, [BLOCK_M * (BLOCK_K // 128), 128]), EXACT_ROUND)
                 x = tl.reshape(xq.to(tl.float32) * x_s[:, None], [BLOCK_M, BLOCK_K])
             else:
@@ -259,7 +268,8 @@ def default_gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvCon
     kernel needs many loads in flight per SM). A first guess, like default_dot_config's."""
     block_n = 16
     block_k = max(BLOCK, 8192 // (triton.next_power_of_2(max(m, 1)) * block_n))
-    return GemvConfig(block_n=block_n, block_k=block_k, split_k=gemv_split_k(n, k, block_n, block_k, device))
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=gemv_split_k(n, k, block_n, block_k, device),
+                      quantize_x=GEMV_QUANTIZE_X)
 
 
 def gemv_split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device) -> int:
@@ -352,7 +362,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor |
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    if scaled and not cfg.fused_quant:
+    if scaled and cfg.quantize_x and not cfg.fused_quant:
         xq, x_s = quantize_activations(x)
     else:
         xq, x_s = x, x  # x_s unused: the kernel quantizes x itself, or the weight has no scales
@@ -364,7 +374,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor |
         partial.stride(0), partial.stride(1) if cfg.split_k > 1 else 0, cfg.split_k,
         HAS_BIAS=bias is not None, SCALED=scaled, FUSED_QUANT=cfg.fused_quant, BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIAL=cfg.split_k > 1, EXACT_ROUND=envs.triton_interpret(),
-        DEFER=cfg.defer_reduce, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DEFER=cfg.defer_reduce, QUANT_X=cfg.quantize_x, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         sum_splits(partial, y, bias, cfg.split_k)
     return y

@@ -96,3 +96,15 @@ def test_default_config_hands_m_up_to_gemv_max_m_to_the_gemv(monkeypatch):
     monkeypatch.setattr(fp8_gemm_triton, "GEMV_MAX_M", 4)
     assert isinstance(fp8_gemm_triton.default_config(4, 4096, 4096, cpu), GemvConfig)
     assert isinstance(fp8_gemm_triton.default_config(5, 4096, 4096, cpu), GemmConfig)
+
+
+@pytest.mark.parametrize("cfg", [dict(block_n=16, block_k=256), dict(block_n=8, block_k=128, split_k=3, defer_reduce=True)])
+def test_gemv_without_quantizing_x_is_x_times_the_dequantized_weight(cfg):
+    """quantize_x False (W8A16): x as it is against the block-scaled weight, not x rounded to e4m3."""
+    x, w, w_scale, b = operands(1, 1000, 72, torch.float32, True)
+    got = gemv(x, w, w_scale, b, GemvConfig(**cfg, quantize_x=False))
+    want = x @ dequantize_blocks(w, w_scale).t() + b
+    bound = 1e-5 * x.abs() @ dequantize_blocks(w, w_scale).abs().t() + 1e-6
+    assert_within(got, want, bound)
+    quantized = gemv(x, w, w_scale, b, GemvConfig(**cfg))  # the default rounds x: a different (coarser) product
+    assert not (quantized - want).abs().le(bound).all()

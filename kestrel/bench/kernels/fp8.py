@@ -112,7 +112,8 @@ GEMV_TILES = [(16, 512, 4), (8, 1024, 4), (32, 256, 4), (16, 1024, 8), (32, 512,
 
 def gemv_sweep_configs(m: int, n: int, k: int, fp8: bool):
     """Each GEMV tile at the split rule's count, half and double it (at M = 1 also with `defer_reduce`);
-    for FP8 also the default config and the default with the activations quantized by a separate launch."""
+    for FP8 also the default config and the default with the activations quantized by a separate launch,
+    and at M = 1 each tile without quantizing the activations (`quantize_x`)."""
     from kestrel.layers.fp8_gemm_triton import GemvConfig, default_gemv_config, gemv_split_k
 
     device = torch.device(DEVICE)
@@ -128,6 +129,9 @@ def gemv_sweep_configs(m: int, n: int, k: int, fp8: bool):
             configs.append(GemvConfig(bn, bk, s, warps))
             if m == 1:  # the reduction across threads once per call instead of once per strip
                 configs.append(GemvConfig(bn, bk, s, warps, defer_reduce=True))
+            if m == 1 and fp8:  # W8A16: the activations not rounded to e4m3
+                configs += [GemvConfig(bn, bk, s, warps, quantize_x=False),
+                            GemvConfig(bn, bk, s, warps, defer_reduce=True, quantize_x=False)]
     return list(dict.fromkeys(configs))  # the default may repeat a tile
 
 
