@@ -68,6 +68,8 @@
 #                   (kestrel.layers.one_row_gemv.ENABLED); batch 1 with --quantization fp8 and llama-3.1-8b-awq. < 7 min
 #   fp8-w8a16       the FP8 GEMV sweep at M <= 8 with W8A16 configs (GemvConfig.quantize_x False), then batch 1 with
 #                   --quantization fp8 with fp8_gemm_triton.GEMV_QUANTIZE_X True, then False. < 6 min
+#   int4-half2      the int4 GPU tests, the W4A16 GEMVs at M = 1 (nibbles, and on pairs: Int4GemmConfig.half2), then
+#                   llama-3.1-8b-awq at batch 1 with int4_gemm_triton.HALF2 off, then on. < 6 min
 #   moe-bs1         Qwen3-30B-A3B and gpt-oss-20b at batch 1 (graphs up to 1), then Qwen3's eager kernels at batch 1
 #                   (OUT/moe_profile_bs1.txt). < 5 min
 #   int4-m1         the W4A16 GEMM's GEMVs at M = 1 (the nibble GEMV and the other; < 3 min), then llama-3.1-8b-awq
@@ -462,6 +464,18 @@ from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:
 from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:]))" $ONE_BATCH --batch-size 1 \
           --cuda-graph-max-bs 1 --quantization fp8 --json "$OUT/one_batch_bs1_fp8_quantx_$quant.json" 2>&1 \
           | grep -v "^\s*$" | grep -v " INFO " | tail -8
+      done ;;
+    int4-half2)
+      timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_int4_gpu.py 2>&1 | tail -2
+      timeout 130 python3 -m kestrel.bench.kernels.int4_gemm --ms 1 --ways gemv-nibbles,gemv-half2 \
+        --budget-s 110 2>&1 | tail -12
+      for on in False True; do  # a module constant: set it in the process before the model runs
+        echo "== llama-3.1-8b-awq one-batch at batch 1, HALF2 = $on"
+        timeout 100 python3 -c "import sys; import kestrel.layers.int4_gemm_triton as g; g.HALF2 = $on
+from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:]))" \
+          --model kestrel/assets/configs/llama-3.1-8b-awq --load-format dummy --batch-size 1 --input-len 128 \
+          --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 1 --json "$OUT/int4_bs1_half2_$on.json" \
+          2>&1 | grep -v "^\s*$" | grep -v " INFO " | tail -8
       done ;;
     moe-bs1)
       # Batch 1 of both MoE families (graphs up to 1), then Qwen3-30B-A3B's eager kernels at batch 1.

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel import envs
 from kestrel.envs import triton_jit
 from kestrel.layers.fp8_gemm_triton import sm_count, store_tile, sum_splits
 from kestrel.quant.int4 import PACK
@@ -51,6 +52,10 @@ class Int4GemmConfig:
     # group's zero point and scale applied to its partial sums, were measured beside it on the H100 and won
     # at no shape: removed.)
     nibbles: bool = False
+    # The nibble GEMV with its integer work on pairs (_w4a16_half2_gemv_kernel, CUDA only: inline PTX): one
+    # 32-bit AND-OR turns nibbles j and j + 4 of a word into two fp16 values 1024 + code, and the zero point's
+    # subtraction and the product with x run as fp16x2 instructions, two weights each. Implies nibbles' tile.
+    half2: bool = False
     num_warps: int = 4
     num_stages: int = 3
 
@@ -153,6 +158,88 @@ def _w4a16_nibble_gemv_kernel(X, Perm, QW, Z, S, Y, P, Bias, N, K, stride_qw, st
                HAS_BIAS, PARTIAL)
 
 
+@triton_jit
+def _f16x2(lo, hi):
+    """Two float32 tensors -> one int32 tensor holding (lo, hi) as fp16x2 (lo in the low half)."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton_jit
+def _pair_fma(words, x2, zero2, acc):
+    """acc + (codes - zero) * x as fp16x2, the codes being bits 0-3 and 16-19 of `words`: OR-ed into the
+    mantissa of 1024.0 (0x6400) they are the fp16 values 1024 + code, exact; zero2 holds 1024 + zero twice."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 q; lop3.b32 q, $1, 0x000f000f, 0x64006400, 0xea; sub.f16x2 q, q, $3; "
+        "fma.rn.f16x2 $0, q, $2, $4; }", "=r,r,r,r,r", [words, x2, zero2, acc], dtype=tl.int32, is_pure=True,
+        pack=1)
+
+
+@triton_jit
+def _f32_pair(h2):
+    """fp16x2 in an int32 tensor -> its (low, high) halves as float32 tensors."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 a, b; mov.b32 {a, b}, $2; cvt.f32.f16 $0, a; cvt.f32.f16 $1, b; }", "=f,=f,r", [h2],
+        dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton_jit
+def _w4a16_half2_gemv_kernel(X, Perm, QW, Z, S, Y, P, Bias, N, K, stride_qw, stride_z, stride_s, stride_pk,
+                             split_k, GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_N: tl.constexpr,
+                             PARTIAL: tl.constexpr):
+    # The nibble GEMV's tiles and passes, with two nibbles per pass (j and j + 4, the low and high halves of
+    # one fp16x2). fp16 holds x after it is divided by its largest magnitude over this program's inputs, so
+    # a pass's products (|code - zero| <= 15) and a tile's four-term sums stay far inside fp16's range; each
+    # tile's sums leave fp16 for float32 with the group's scale, and the program's total is multiplied back.
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    tiles = K // (8 * BLOCK_W)
+    per_split = tl.cdiv(tiles, split_k)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, tiles)
+    inputs = tl.arange(0, 8 * BLOCK_W)
+    big = tl.zeros([8 * BLOCK_W], tl.float32)
+    for t in range(lo, hi):
+        if HAS_PERM:
+            cols = tl.load(Perm + t * 8 * BLOCK_W + inputs)
+        else:
+            cols = t * 8 * BLOCK_W + inputs
+        big = tl.maximum(big, tl.abs(tl.load(X + cols).to(tl.float32)))
+    x_max = tl.max(big, 0)
+    x_max = tl.where(x_max > 0.0, x_max, 1.0)
+    inv = 1.0 / x_max
+    rows = tl.arange(0, BLOCK_W)
+    acc = tl.zeros([BLOCK_W, BLOCK_N], tl.float32)
+    for t in range(lo, hi):
+        offs_w = t * BLOCK_W + rows
+        if EVEN_N:
+            words = tl.load(QW + offs_w[:, None] * stride_qw + offs_n[None, :])
+        else:
+            words = tl.load(QW + offs_w[:, None] * stride_qw + offs_n[None, :], mask=n_mask[None, :], other=0)
+        g = t * 8 * BLOCK_W // GROUP
+        s = tl.load(S + g * stride_s + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        z = tl.load(Z + g * stride_z + offs_n, mask=n_mask, other=0).to(tl.float32) + 1024.0
+        zero2 = _f16x2(z, z)
+        h = tl.zeros([BLOCK_W, BLOCK_N], tl.int32)  # fp16x2 (+0, +0)
+        for j in tl.static_range(4):
+            if HAS_PERM:
+                c_lo = tl.load(Perm + offs_w * 8 + j)
+                c_hi = tl.load(Perm + offs_w * 8 + j + 4)
+            else:
+                c_lo = offs_w * 8 + j
+                c_hi = c_lo + 4
+            x2 = _f16x2(tl.load(X + c_lo).to(tl.float32) * inv, tl.load(X + c_hi).to(tl.float32) * inv)
+            h = _pair_fma(words >> (4 * j), x2[:, None], zero2[None, :], h)
+        h_lo, h_hi = _f32_pair(h)
+        acc += (h_lo + h_hi) * s[None, :]
+    offs_m = tl.arange(0, 1)
+    store_tile((tl.sum(acc, 0) * x_max)[None, :], Y, P, Bias, offs_m, offs_n, offs_m < 1, n_mask, split, 0,
+               stride_pk, 0, HAS_BIAS, PARTIAL)
+
+
 # Per M range: (block_m, block_n, block_k, tl.dot, programs to aim for per SM). From the config sweep at
 # Llama-3.1-8B's four projection shapes on the H100 (kestrel/bench/kernels/int4_gemm.py, docs/benchmarks.md):
 # the fastest or within 3 % of it at every shape, K split up to 8 ways (the sweep's largest).
@@ -163,6 +250,8 @@ MAX_SPLIT = 8
 # the fastest config at all four of Llama-3.1-8B's shapes, the projections' sum 2.85 ms against 3.43 ms for
 # the best of the other GEMVs; a batch-1 step 3.92 -> 3.67 ms with 128 x 128 tiles.
 NIBBLE_TILE: tuple[int, int, int] | None = (64, 128, 16)
+# On CUDA, NIBBLE_TILE's GEMV with its integer work on pairs (Int4GemmConfig.half2) when set; unmeasured, off.
+HALF2 = False
 
 
 def default_config(m: int, n: int, k: int, device: torch.device, group_size: int = 128) -> Int4GemmConfig:
@@ -172,7 +261,8 @@ def default_config(m: int, n: int, k: int, device: torch.device, group_size: int
         block_n, block_k, per_sm = NIBBLE_TILE
         block_k = min(block_k, group_size)
         split = _split(triton.cdiv(n, block_n), triton.cdiv(k, block_k), per_sm, device)
-        return Int4GemmConfig(1, block_n, block_k, split, dot=False, nibbles=True)
+        half2 = HALF2 and device.type == "cuda"
+        return Int4GemmConfig(1, block_n, block_k, split, dot=False, nibbles=not half2, half2=half2)
     for top, (block_m, block_n, block_k, dot, per_sm) in TILES:
         if m <= top and (dot or m <= GEMV_MAX_M):
             break
@@ -211,17 +301,20 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
                          f"multiple of it, got {bk}")
     if cfg.dot and cfg.block_m < 16:
         raise ValueError(f"the tl.dot path needs block_m >= 16, got {cfg.block_m}")
-    if cfg.nibbles and (cfg.dot or m != 1 or group_size % bk):
-        raise ValueError(f"nibbles is a GEMV of its own at one row (dot off, M = 1) whose block_k divides "
-                         f"group_size {group_size}; got {cfg} at M = {m}")
+    if (cfg.nibbles or cfg.half2) and (cfg.dot or m != 1 or group_size % bk):
+        raise ValueError(f"nibbles and half2 are GEMVs of their own at one row (dot off, M = 1) whose block_k "
+                         f"divides group_size {group_size}; got {cfg} at M = {m}")
+    if cfg.half2 and (not x.is_cuda or envs.triton_interpret()):
+        raise ValueError("half2 runs inline PTX: CUDA only (not the CPU or Triton's interpreter)")
     if not cfg.dot and m > GEMV_LIMIT_M:
         raise ValueError(f"the GEMV takes at most {GEMV_LIMIT_M} rows of x (got {m})")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     partial = y if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
-    if cfg.nibbles:
-        _w4a16_nibble_gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
+    if cfg.nibbles or cfg.half2:
+        kernel = _w4a16_half2_gemv_kernel if cfg.half2 else _w4a16_nibble_gemv_kernel
+        kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
             x, perm if perm is not None else qweight, qweight, zeros, scales, y, partial,
             bias if bias is not None else y, n, k, qweight.stride(0), zeros.stride(0), scales.stride(0),
             partial.stride(0), cfg.split_k, GROUP=group_size, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,

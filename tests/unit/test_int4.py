@@ -83,7 +83,7 @@ def test_the_int4_gemm_refuses_options_outside_their_path():
     for rows, cfg in ((2, Int4GemmConfig(2, 16, 64, dot=False, nibbles=True)),
                       (1, Int4GemmConfig(1, 16, 256, dot=False, nibbles=True)),  # a tile across groups of 128
                       (1, Int4GemmConfig(16, 16, 64, nibbles=True))):
-        with pytest.raises(ValueError, match="nibbles is a GEMV of its own at one row"):
+        with pytest.raises(ValueError, match="nibbles and half2 are GEMVs of their own at one row"):
             int4_gemm(x[:rows], w.qweight, w.zeros, w.scales, w.perm, w.group_size, config=cfg)
 
 
@@ -113,3 +113,20 @@ def test_merged_layer_takes_each_projection_s_columns_and_checks_their_act_order
 def test_unsupported_int4_configs_are_refused_with_what_was_found(qc, message):
     with pytest.raises(ValueError, match=message):
         int4_config(qc)
+
+
+def test_half2_is_cuda_only_and_the_default_keeps_the_cpu_off_it(monkeypatch):
+    """The fp16x2 GEMV is inline PTX: on the CPU it is refused by name, and HALF2 leaves a CPU config alone.
+    (tests/gpu/test_int4_gpu.py checks its numbers.)"""
+    pytest.importorskip("triton")
+    from kestrel.layers import int4_gemm_triton as g
+
+    case = CASES[1]
+    w, _ = packed_weight(case, 40, 256, seed=3)
+    x = torch.randn(1, 256)
+    with pytest.raises(ValueError, match="CUDA only"):
+        g.int4_gemm(x, w.qweight, w.zeros, w.scales, w.perm, w.group_size,
+                    config=g.Int4GemmConfig(1, 32, min(128, case.group_size), dot=False, half2=True))
+    monkeypatch.setattr(g, "HALF2", True)
+    cfg = g.default_config(1, 40, 256, torch.device("cpu"), case.group_size)
+    assert cfg.nibbles and not cfg.half2

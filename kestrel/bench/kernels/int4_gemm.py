@@ -50,6 +50,9 @@ def sweep_configs(m: int) -> list[Int4GemmConfig]:
         if m == 1:
             configs += [Int4GemmConfig(1, bn, bk, s, dot=False, num_warps=w, nibbles=True)
                         for bn, bk, w in NIBBLE_TILES for s in SPLITS]
+            if torch.cuda.is_available():  # inline PTX: not on the CPU smoke run
+                configs += [Int4GemmConfig(1, bn, bk, s, dot=False, num_warps=w, half2=True)
+                            for bn, bk, w in NIBBLE_TILES for s in SPLITS]
     bm = min(64, max(16, triton_pow2(m)))
     configs += [Int4GemmConfig(bm, bn, bk, s, dot=True, num_warps=w, num_stages=st)
                 for bn, bk, w, st in DOT_TILES for s in SPLITS]
@@ -114,7 +117,9 @@ def bench_shape(p: dict, shape: str, m: int, weights: list, bandwidth: float | N
 
 
 def way(cfg: dict) -> str:
-    return "dot" if cfg["dot"] else "gemv-nibbles" if cfg.get("nibbles") else "gemv"
+    if cfg["dot"]:
+        return "dot"
+    return "gemv-half2" if cfg.get("half2") else "gemv-nibbles" if cfg.get("nibbles") else "gemv"
 
 
 def short(cfg: dict) -> str:
@@ -164,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ms", type=str, default=None, help="batch rows, e.g. 1,4,16,64")
     parser.add_argument("--ways", type=str, default="",
                         help="only these kinds of config beside the default, e.g. gemv-nibbles,gemv "
-                             "(dot, gemv, gemv-nibbles)")
+                             "(dot, gemv, gemv-nibbles, gemv-half2)")
     args = parser.parse_args(argv)
     if args.smoke:
         require_interpreter()
