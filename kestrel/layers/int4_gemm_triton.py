@@ -232,7 +232,8 @@ def _w4a16_half2_gemv_kernel(X, Perm, QW, Z, S, Y, P, Bias, N, K, stride_qw, str
                 c_lo = offs_w * 8 + j
                 c_hi = c_lo + 4
             x2 = _f16x2(tl.load(X + c_lo).to(tl.float32) * inv, tl.load(X + c_hi).to(tl.float32) * inv)
-            h = _pair_fma(words >> (4 * j), x2[:, None], zero2[None, :], h)
+            h = _pair_fma(words >> (4 * j), tl.broadcast_to(x2[:, None], (BLOCK_W, BLOCK_N)),
+                          tl.broadcast_to(zero2[None, :], (BLOCK_W, BLOCK_N)), h)
         h_lo, h_hi = _f32_pair(h)
         acc += (h_lo + h_hi) * s[None, :]
     offs_m = tl.arange(0, 1)
