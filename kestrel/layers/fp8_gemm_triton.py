@@ -21,7 +21,7 @@ activations quantized as above. The same kernel with SCALED off takes bf16/fp16 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -42,9 +42,11 @@ GEMV_MAX_M = 1
 # The largest M the GEMV takes: a weight byte costs M FMAs on CUDA cores, and at M = 8 streaming the H200's
 # 4.8 TB/s already asks 8 x 4.8e12 FMA/s = 77 TFLOP/s, above its ~67 TFLOP/s of float32. Past that, tl.dot.
 GEMV_LIMIT_M = 8
-# Whether default_gemv_config quantizes the activations as the tl.dot path does (GemvConfig.quantize_x). A
-# module constant so that a benchmark can set it in its process before the model runs.
-GEMV_QUANTIZE_X = True
+# Whether default_gemv_config quantizes the activations as the tl.dot path does (GemvConfig.quantize_x). Off:
+# on the H100 the sweep's fastest config at one row was W8A16 at three of Llama-3.1-8B's four shapes (gate_up
+# 0.0438 against 0.0458 ms at the default tile) and a batch-1 step took 3.62 ms against 3.68 (one process
+# each, docs/benchmarks.md). A module constant so that a benchmark can set it in its process first.
+GEMV_QUANTIZE_X = False
 
 
 @dataclass(frozen=True)
@@ -263,13 +265,27 @@ def default_dot_config(m: int, n: int, k: int, device: torch.device) -> GemmConf
 
 
 def default_gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
-    """16 rows x 512 inputs per strip (8 KiB of FP8) at M = 1, the strip narrowed as M grows so the
-    float32 products stay at 8K per program; K split until there are 4 programs per SM (a weight-streaming
-    kernel needs many loads in flight per SM). A first guess, like default_dot_config's."""
+    """On CUDA at one row, ONE_ROW_TUNED's config for the shape where it has one. Else 16 rows x 512 inputs
+    per strip (8 KiB of FP8) at M = 1, the strip narrowed as M grows so the float32 products stay at 8K per
+    program; K split until there are 4 programs per SM (a weight-streaming kernel needs many loads in
+    flight per SM). A first guess, like default_dot_config's."""
+    if m == 1 and device.type == "cuda" and (n, k) in ONE_ROW_TUNED:
+        return replace(ONE_ROW_TUNED[n, k], quantize_x=GEMV_QUANTIZE_X)
     block_n = 16
     block_k = max(BLOCK, 8192 // (triton.next_power_of_2(max(m, 1)) * block_n))
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=gemv_split_k(n, k, block_n, block_k, device),
                       quantize_x=GEMV_QUANTIZE_X)
+
+
+# (N, K) -> the fastest config at one row in the H100's sweep (`python -m kestrel.bench.kernels.fp8 --gemv-only`,
+# docs/benchmarks.md): Llama-3.1-8B's qkv, o, gate_up and down. Their sum over 32 layers 2.91 ms against the
+# rule's 3.04. Other shapes take the rule.
+ONE_ROW_TUNED = {
+    (6144, 4096): GemvConfig(16, 1024, 1, num_warps=8, quantize_x=False),
+    (4096, 4096): GemvConfig(8, 1024, 1, num_warps=4, defer_reduce=True, quantize_x=False),
+    (28672, 4096): GemvConfig(16, 512, 1, num_warps=4, quantize_x=False),
+    (4096, 14336): GemvConfig(32, 512, 4, num_warps=8, quantize_x=False),
+}
 
 
 def gemv_split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device) -> int:

@@ -251,8 +251,10 @@ MAX_SPLIT = 8
 # the fastest config at all four of Llama-3.1-8B's shapes, the projections' sum 2.85 ms against 3.43 ms for
 # the best of the other GEMVs; a batch-1 step 3.92 -> 3.67 ms with 128 x 128 tiles.
 NIBBLE_TILE: tuple[int, int, int] | None = (64, 128, 16)
-# On CUDA, NIBBLE_TILE's GEMV with its integer work on pairs (Int4GemmConfig.half2) when set; unmeasured, off.
-HALF2 = False
+# On CUDA, NIBBLE_TILE's GEMV with its integer work on pairs (Int4GemmConfig.half2). On the H100 it was the
+# fastest at all four of Llama-3.1-8B's shapes (gate_up 0.0335 against 0.0393 ms) and a batch-1 step of
+# llama-3.1-8b-awq took 3.31 ms against 3.48 (one process each; docs/benchmarks.md).
+HALF2 = True
 
 
 def default_config(m: int, n: int, k: int, device: torch.device, group_size: int = 128) -> Int4GemmConfig:

@@ -2,6 +2,8 @@
 and against the tl.dot path, at M in {1, 3, 8}, shapes that no tile divides, split K on and off."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -59,8 +61,9 @@ def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) ->
 @pytest.mark.parametrize("m, k, n, cfg, dtype, bias", CASES)
 def test_gemv_matches_the_torch_reference_and_the_dot_path(m, k, n, cfg, dtype, bias):
     x, w, w_scale, b = operands(m, k, n, dtype, bias)
-    got = fp8_gemm(x, w, w_scale, b, GemvConfig(**cfg) if cfg else fp8_gemm_triton.default_gemv_config(
-        m, n, k, x.device))
+    config = GemvConfig(**cfg) if cfg else replace(fp8_gemm_triton.default_gemv_config(m, n, k, x.device),
+                                                   quantize_x=True)  # the default's rule, with fp8_gemm's numerics
+    got = fp8_gemm(x, w, w_scale, b, config)
     bound = summation_bound(x, w, w_scale)
     assert_within(got, fp8_linear_reference(x, w, w_scale, b), bound)
     assert_within(got, fp8_gemm(x, w, w_scale, b, GemmConfig(block_m=16, block_n=32)), bound)
@@ -108,3 +111,12 @@ def test_gemv_without_quantizing_x_is_x_times_the_dequantized_weight(cfg):
     assert_within(got, want, bound)
     quantized = gemv(x, w, w_scale, b, GemvConfig(**cfg))  # the default rounds x: a different (coarser) product
     assert not (quantized - want).abs().le(bound).all()
+
+
+def test_the_default_at_one_row_is_w8a16_and_takes_the_tuned_shapes_on_cuda(monkeypatch):
+    monkeypatch.setattr(fp8_gemm_triton, "sm_count", lambda device: 132)  # no GPU here: the H100's count
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not fp8_gemm_triton.default_gemv_config(1, 4096, 4096, cpu).quantize_x
+    assert fp8_gemm_triton.default_gemv_config(1, 4096, 4096, cuda) == fp8_gemm_triton.ONE_ROW_TUNED[4096, 4096]
+    assert fp8_gemm_triton.default_gemv_config(1, 4096, 4096, cpu) != fp8_gemm_triton.ONE_ROW_TUNED[4096, 4096]
+    assert fp8_gemm_triton.default_gemv_config(2, 4096, 4096, cuda) != fp8_gemm_triton.ONE_ROW_TUNED[4096, 4096]

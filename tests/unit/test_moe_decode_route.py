@@ -182,3 +182,16 @@ def test_gemv_moe_still_sums_on_its_own():
         got = torch.empty(3, H)
         gemv_moe.combine_rows(rows, ids, e.first, e.count, got)
     torch.testing.assert_close(got, want)
+
+
+def test_the_down_gemv_takes_its_own_config():
+    """A down config of its own (gemv_moe.DOWN_CONFIG or down_cfg) changes the tiling, not the sum."""
+    moe = layer(MoEConfig(H, INTER, RouterConfig("softmax_topk", E, K)))
+    e = moe.experts
+    x = torch.randn(2, H)
+    with torch.no_grad():
+        ids, weights = moe.gate(x)
+        want = gemv_moe.gemv_moe(x, ids, weights, e.w13, e.w2, e.first, moe.cfg.activation)
+        got = gemv_moe.gemv_moe(x, ids, weights, e.w13, e.w2, e.first, moe.cfg.activation,
+                                down_cfg=gemv_moe.GemvConfig(block_n=8, block_k=16, num_warps=2))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -51,6 +51,9 @@ KERNELS = ("fused", "gemv")  # the Triton paths: each checked against the loop (
 # GemvConfig (block_n, block_k, num_warps) timed in a graph at T <= GEMV_SWEEP_MAX_T: what sets its default.
 GEMV_SWEEP = [(8, 128, 2), (8, 256, 4), (16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 64, 2), (64, 64, 4)]
 GEMV_SWEEP_MAX_T = 4
+# The down GEMV's own config (gemv_moe.DOWN_CONFIG), the up GEMV at its default, at T = 1: what sets DOWN_CONFIG.
+DOWN_SWEEP = [(16, 256, 4), (32, 256, 4), (64, 256, 4), (16, 512, 4), (16, 1024, 4), (32, 1024, 8), (8, 1024, 4),
+              (32, 512, 4), (64, 128, 4)]
 # RouteConfig (block_e, block_k, num_warps) of the fused decode route's router, graphed: what sets its default.
 ROUTE_SWEEP = [(1, 512, 4), (2, 512, 4), (4, 256, 4), (4, 512, 4), (8, 256, 4)]
 
@@ -136,6 +139,16 @@ def sweep_gemv(p: dict, layer: MoE, x, ids, weights) -> dict[str, float]:
         except Exception as e:  # noqa: BLE001 - a config that does not compile: skip it, go on
             print(f"gemv n{bn} k{bk} w{warps}: {type(e).__name__}: {e}"[:200])
         torch.cuda.empty_cache()
+    if x.shape[0] == 1:
+        for bn, bk, warps in DOWN_SWEEP:
+            down = GemvConfig(bn, bk, warps)
+            call = lambda down=down: gemv_moe(x, ids, weights, e.w13, e.w2, e.first,  # noqa: E731
+                                              layer.cfg.activation, e.b13, e.down_bias(), GemvConfig(), down)
+            try:
+                times[f"down n{bn} k{bk} w{warps}"] = median(graph_ms(call, dev, p["iters"]))
+            except Exception as e:  # noqa: BLE001 - a config that does not compile: skip it, go on
+                print(f"gemv down n{bn} k{bk} w{warps}: {type(e).__name__}: {e}"[:200])
+            torch.cuda.empty_cache()
     return times
 
 

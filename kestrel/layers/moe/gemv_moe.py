@@ -46,6 +46,13 @@ class GemvConfig:
     num_warps: int = 4
 
 
+# The down GEMV's config where it differs from the up GEMV's (None: the same). Its reduction is the
+# intermediate width (768 for Qwen3-30B-A3B: three 256-wide steps), the up GEMV's the hidden one.
+# kestrel/bench/kernels/moe_paths.py sweeps it (`down_sweep`); a module constant so that a benchmark can set
+# it in its process before the model runs.
+DOWN_CONFIG: GemvConfig | None = None
+
+
 @triton_jit
 def _up_kernel(X, Ids, W13, B13, Act, first, count, top_k, d, inter, limit, alpha,
                stride_xt, stride_we, stride_wn, stride_wk, stride_be, stride_am,
@@ -106,21 +113,24 @@ def _down_kernel(Act, Ids, W2, B2, Weights, Out, first, count, d, inter,
 
 def gemv_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
              first: int, activation: ExpertActivation, b13: torch.Tensor | None = None,
-             b2: torch.Tensor | None = None, cfg: GemvConfig = GemvConfig()) -> torch.Tensor:
+             b2: torch.Tensor | None = None, cfg: GemvConfig = GemvConfig(),
+             down_cfg: GemvConfig | None = None) -> torch.Tensor:
     """[T, d] float32: what fused_moe.fused_moe returns (same arguments), one assignment per program.
     x [T, d]; ids, weights [T, k]; w13 [count, 2I, d] (w1 rows, then w3 rows); w2 [count, d, I];
     b13 [count, 2I] and b2 [count, d] or None (no bias)."""
     T, d = x.shape
     rows = torch.zeros(ids.numel(), d, dtype=torch.float32, device=x.device)  # other ranks' rows stay 0
-    gemv_rows(x, ids, weights, w13, w2, first, activation, b13, b2, rows, cfg)
+    gemv_rows(x, ids, weights, w13, w2, first, activation, b13, b2, rows, cfg, down_cfg)
     return rows.view(T, ids.shape[1], d).sum(1)
 
 
 def gemv_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               first: int, activation: ExpertActivation, b13: torch.Tensor | None, b2: torch.Tensor | None,
-              rows: torch.Tensor, cfg: GemvConfig = GemvConfig()) -> None:
+              rows: torch.Tensor, cfg: GemvConfig = GemvConfig(), down_cfg: GemvConfig | None = None) -> None:
     """rows [T * k, d] float32, row token * k + slot = that assignment's expert output times its routing
-    weight; the rows of other ranks' experts are not written. Arguments as `gemv_moe`."""
+    weight; the rows of other ranks' experts are not written. Arguments as `gemv_moe`; down_cfg: the down
+    GEMV's config (None: DOWN_CONFIG, else cfg)."""
+    down = down_cfg or DOWN_CONFIG or cfg
     d = x.shape[1]
     count, inter = expert_shapes(x, w13, w2)
     n = ids.numel()
@@ -130,17 +140,17 @@ def gemv_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     flat_ids = ids.reshape(-1).contiguous()
     flat_weights = weights.reshape(-1).float().contiguous()
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)  # other ranks' rows: never written nor read
-    common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
     # A missing bias passes its weight as a never-read pointer (HAS_BIAS False compiles the loads out).
     b13_arg, b2_arg = (b13 if b13 is not None else w13), (b2 if b2 is not None else w2)
     _up_kernel[(n, triton.cdiv(inter, cfg.block_n))](
         x, flat_ids, w13, b13_arg, act, first, count, ids.shape[1], d, inter, float(activation.limit),
         float(activation.alpha), x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), b13_arg.stride(0),
-        act.stride(0), ACT=ACTIVATIONS.index(activation.kind), HAS_BIAS=b13 is not None, **common)
-    _down_kernel[(n, triton.cdiv(d, cfg.block_n))](
+        act.stride(0), ACT=ACTIVATIONS.index(activation.kind), HAS_BIAS=b13 is not None, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+    _down_kernel[(n, triton.cdiv(d, down.block_n))](
         act, flat_ids, w2, b2_arg, flat_weights, rows, first, count, d, inter,
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), b2_arg.stride(0), rows.stride(0),
-        HAS_BIAS=b2 is not None, **common)
+        HAS_BIAS=b2 is not None, BLOCK_N=down.block_n, BLOCK_K=down.block_k, num_warps=down.num_warps)
 
 
 @triton_jit
