@@ -44,7 +44,7 @@ GEMV_MAX_M = 1
 GEMV_LIMIT_M = 8
 # Whether default_gemv_config quantizes the activations as the tl.dot path does (GemvConfig.quantize_x). Off:
 # on the H100 the sweep's fastest config at one row was W8A16 at three of Llama-3.1-8B's four shapes (gate_up
-# 0.0438 against 0.0458 ms at the default tile) and a batch-1 step took 3.62 ms against 3.68 (one process
+# 0.0438 against 0.0458 ms at the default tile) and a batch-1 step took 3.66 ms against 3.71 (one process
 # each, docs/benchmarks.md). A module constant so that a benchmark can set it in its process first.
 GEMV_QUANTIZE_X = False
 
@@ -70,8 +70,8 @@ class GemvConfig:
     num_stages: int = 3
     fused_quant: bool = True  # False: quantize_activations first (one more launch, no per-program quantizing)
     # At one row only: the products summed into a [block_n, block_k] float32 tile over the K loop and
-    # reduced across threads once at the end, instead of once per strip (warp shuffles each time).
-    # Unmeasured: the sweep (kestrel/bench/kernels/fp8.py) times it beside the plain GEMV.
+    # reduced across threads once at the end, instead of once per strip (warp shuffles each time). On the
+    # H100 it won for bf16 at all four of Llama-3.1-8B's shapes and for FP8 at o (docs/benchmarks.md).
     defer_reduce: bool = False
     # FP8 weights only. False: x stays in its float dtype (W8A16: the weight's scale goes onto x, x is not
     # rounded to e4m3), which spares each strip the per-group max and rounding that fp8_gemm's numerics
@@ -193,12 +193,10 @@ def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, str
             # Both scales go onto the activation, which is BLOCK_N times smaller than the weight strip:
             # x_k * x_scale(group) * w_scale(group), then one product per weight.
             groups = offs_k // 128
-            if not QUANT_X:  # W8A16: only the weight's scale
-                pass
-            elif FUSED_QUANT:
+            if QUANT_X and FUSED_QUANT:  # (W8A16, QUANT_X off: only the weight's scale)
                 xq, x_s = _quant_tile(tl.reshape(x, [BLOCK_M * (BLOCK_K // 128), 128]), EXACT_ROUND)
                 x = tl.reshape(xq.to(tl.float32) * x_s[:, None], [BLOCK_M, BLOCK_K])
-            else:
+            elif QUANT_X:
                 x = x * tl.load(X_s + offs_m[:, None] * stride_xsm + groups[None, :], mask=x_mask, other=0.0)
             x = x * tl.load(w_scale_row + groups, mask=k_mask, other=0.0)[None, :]
         w = tl.load(W + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
