@@ -12,6 +12,8 @@ Two ways to multiply, one kernel (`Int4GemmConfig.dot`):
   decode with BLOCK_M = 16;
 - the GEMV (dot False, M <= GEMV_LIMIT_M): products in float32 registers reduced with tl.sum, no M
   padding to 16; at batch 1 a step only streams the weights.
+At one row there are two GEMVs of their own besides (`Int4GemmConfig.nibbles`, `.half2`): passes over
+2-D tiles of words, one nibble each in float32, or two at once as fp16x2 on CUDA (the default there).
 Small M leaves few tiles, so K is split into float32 partials that a second kernel sums in a fixed order
 (kestrel.layers.fp8_gemm_triton.sum_splits): the result does not depend on timing. `default_config`
 follows the H100's sweep up to M = 64; every tile size, split, warp count and the GEMV / tl.dot choice are
