@@ -118,6 +118,23 @@ def _w4a16_kernel(X, Perm, QW, Z, S, Y, P, Bias, M, N, K, stride_xm, stride_qw, 
 
 
 @triton_jit
+def _one_row_split(K, N, split_k, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """A one-row GEMV program's outputs and its range of K tiles (BLOCK_W words = 8 BLOCK_W inputs each; exact:
+    K is a multiple of the group, a multiple of 8 BLOCK_W): (offs_n, n_mask, first tile, end tile)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    per_split = tl.cdiv(K // (8 * BLOCK_W), split_k)
+    lo = tl.program_id(1) * per_split
+    return offs_n, offs_n < N, lo, tl.minimum(lo + per_split, K // (8 * BLOCK_W))
+
+
+@triton_jit
+def _word_tile(QW, offs_w, offs_n, n_mask, stride_qw, EVEN_N: tl.constexpr):
+    if EVEN_N:
+        return tl.load(QW + offs_w[:, None] * stride_qw + offs_n[None, :])
+    return tl.load(QW + offs_w[:, None] * stride_qw + offs_n[None, :], mask=n_mask[None, :], other=0)
+
+
+@triton_jit
 def _w4a16_nibble_gemv_kernel(X, Perm, QW, Z, S, Y, P, Bias, N, K, stride_qw, stride_z, stride_s, stride_pk,
                               split_k, GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_N: tl.constexpr,
@@ -125,22 +142,12 @@ def _w4a16_nibble_gemv_kernel(X, Perm, QW, Z, S, Y, P, Bias, N, K, stride_qw, st
     # y[n] = sum_k x[k] W[n, k] for one row of x. A tile: BLOCK_W words of each of BLOCK_N outputs (inputs
     # 8 BLOCK_W, inside one group). Pass j takes every word's nibble j with x at input 8 w + j: each thread's
     # products stay in its own registers, summed across threads once after the K loop.
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    tiles = K // (8 * BLOCK_W)  # exact: K is a multiple of GROUP, a multiple of 8 BLOCK_W
-    per_split = tl.cdiv(tiles, split_k)
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, tiles)
+    offs_n, n_mask, lo, hi = _one_row_split(K, N, split_k, BLOCK_N, BLOCK_W)
     rows = tl.arange(0, BLOCK_W)
     acc = tl.zeros([BLOCK_W, BLOCK_N], tl.float32)
     for t in range(lo, hi):
         offs_w = t * BLOCK_W + rows
-        if EVEN_N:
-            words = tl.load(QW + offs_w[:, None] * stride_qw + offs_n[None, :])
-        else:
-            words = tl.load(QW + offs_w[:, None] * stride_qw + offs_n[None, :], mask=n_mask[None, :], other=0)
+        words = _word_tile(QW, offs_w, offs_n, n_mask, stride_qw, EVEN_N)
         g = t * 8 * BLOCK_W // GROUP
         s = tl.load(S + g * stride_s + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         # 2^23 + zero: the codes below become floats 2^23 + code (see _w4a16_kernel), so code - zero is exact.
@@ -156,8 +163,8 @@ def _w4a16_nibble_gemv_kernel(X, Perm, QW, Z, S, Y, P, Bias, N, K, stride_qw, st
             part += xj[:, None] * (code.to(tl.float32, bitcast=True) - zb[None, :])
         acc += part * s[None, :]
     offs_m = tl.arange(0, 1)
-    store_tile(tl.sum(acc, 0)[None, :], Y, P, Bias, offs_m, offs_n, offs_m < 1, n_mask, split, 0, stride_pk, 0,
-               HAS_BIAS, PARTIAL)
+    store_tile(tl.sum(acc, 0)[None, :], Y, P, Bias, offs_m, offs_n, offs_m < 1, n_mask, tl.program_id(1), 0,
+               stride_pk, 0, HAS_BIAS, PARTIAL)
 
 
 @triton_jit
@@ -194,14 +201,7 @@ def _w4a16_half2_gemv_kernel(X, Perm, QW, Z, S, Y, P, Bias, N, K, stride_qw, str
     # one fp16x2). fp16 holds x after it is divided by its largest magnitude over this program's inputs, so
     # a pass's products (|code - zero| <= 15) and a tile's four-term sums stay far inside fp16's range; each
     # tile's sums leave fp16 for float32 with the group's scale, and the program's total is multiplied back.
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    tiles = K // (8 * BLOCK_W)
-    per_split = tl.cdiv(tiles, split_k)
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, tiles)
+    offs_n, n_mask, lo, hi = _one_row_split(K, N, split_k, BLOCK_N, BLOCK_W)
     inputs = tl.arange(0, 8 * BLOCK_W)
     big = tl.zeros([8 * BLOCK_W], tl.float32)
     for t in range(lo, hi):
@@ -217,10 +217,7 @@ def _w4a16_half2_gemv_kernel(X, Perm, QW, Z, S, Y, P, Bias, N, K, stride_qw, str
     acc = tl.zeros([BLOCK_W, BLOCK_N], tl.float32)
     for t in range(lo, hi):
         offs_w = t * BLOCK_W + rows
-        if EVEN_N:
-            words = tl.load(QW + offs_w[:, None] * stride_qw + offs_n[None, :])
-        else:
-            words = tl.load(QW + offs_w[:, None] * stride_qw + offs_n[None, :], mask=n_mask[None, :], other=0)
+        words = _word_tile(QW, offs_w, offs_n, n_mask, stride_qw, EVEN_N)
         g = t * 8 * BLOCK_W // GROUP
         s = tl.load(S + g * stride_s + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(Z + g * stride_z + offs_n, mask=n_mask, other=0).to(tl.float32) + 1024.0
@@ -239,8 +236,8 @@ def _w4a16_half2_gemv_kernel(X, Perm, QW, Z, S, Y, P, Bias, N, K, stride_qw, str
         h_lo, h_hi = _f32_pair(h)
         acc += (h_lo + h_hi) * s[None, :]
     offs_m = tl.arange(0, 1)
-    store_tile((tl.sum(acc, 0) * x_max)[None, :], Y, P, Bias, offs_m, offs_n, offs_m < 1, n_mask, split, 0,
-               stride_pk, 0, HAS_BIAS, PARTIAL)
+    store_tile((tl.sum(acc, 0) * x_max)[None, :], Y, P, Bias, offs_m, offs_n, offs_m < 1, n_mask,
+               tl.program_id(1), 0, stride_pk, 0, HAS_BIAS, PARTIAL)
 
 
 # Per M range: (block_m, block_n, block_k, tl.dot, programs to aim for per SM). From the config sweep at
