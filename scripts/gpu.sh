@@ -68,8 +68,8 @@
 #                   (kestrel.layers.one_row_gemv.ENABLED); batch 1 with --quantization fp8 and llama-3.1-8b-awq. < 7 min
 #   fp8-w8a16       the FP8 GEMV sweep at M <= 8 with W8A16 configs (GemvConfig.quantize_x False), then batch 1 with
 #                   --quantization fp8 with fp8_gemm_triton.GEMV_QUANTIZE_X True, then False. < 6 min
-#   one-row-defaults  the FP8 and int4 GPU tests; batch 1 with --quantization fp8 at the earlier one-row defaults
-#                   (activations quantized, the split rule), then today's (W8A16, ONE_ROW_TUNED); llama-3.1-8b-awq
+#   one-row-defaults  the FP8 and int4 GPU tests; batch 1 with --quantization fp8 at the one-row defaults, then the earlier
+#                   ones (activations quantized, the split rule, no ONE_ROW_TUNED); llama-3.1-8b-awq
 #                   at batch 1. < 5 min
 #   int4-half2      the int4 GPU tests, the W4A16 GEMVs at M = 1 (nibbles, and on pairs: Int4GemmConfig.half2), then
 #                   llama-3.1-8b-awq at batch 1 with int4_gemm_triton.HALF2 off, then on. < 6 min
@@ -471,7 +471,7 @@ from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:
     one-row-defaults)
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py tests/gpu/test_int4_gpu.py 2>&1 \
         | tail -2
-      for setup in "g.GEMV_QUANTIZE_X = True; g.ONE_ROW_TUNED = {}" "pass"; do  # module constants, set first
+      for setup in "pass" "g.GEMV_QUANTIZE_X = True; g.ONE_ROW_TUNED = {}"; do  # module constants, set first
         echo "== one-batch at batch 1, --quantization fp8, $setup"
         timeout 100 python3 -c "import sys; import kestrel.layers.fp8_gemm_triton as g; $setup
 from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:]))" $ONE_BATCH --batch-size 1 \
