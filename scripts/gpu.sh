@@ -94,6 +94,8 @@ mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 LLAMA="--model kestrel/assets/configs/llama-3.1-8b --load-format dummy"
 ONE_BATCH="$LLAMA --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 64"
+AWQ_BS1="--model kestrel/assets/configs/llama-3.1-8b-awq --load-format dummy --batch-size 1 --input-len 128 \
+  --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 1"
 SERVER_LOG_WAIT=240
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -142,6 +144,16 @@ one_batch() {  # one_batch TIMEOUT JSON_NAME FLAGS...
   shift 2
   timeout "$limit" python3 -m kestrel.cli bench one-batch "$@" --json "$OUT/$name.json" 2>&1 \
     | grep -v "^\s*$" | grep -v " INFO " | tail -14
+}
+
+one_batch_set() {  # one_batch_set TIMEOUT PYTHON JSON_NAME FLAGS...: one_batch with PYTHON run in the process
+  # first, to set a module constant before the model is built (TAIL: result lines shown, default 9)
+  local limit=$1 setup=$2 name=$3
+  shift 3
+  timeout "$limit" python3 -c "import sys
+$setup
+from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:]))" "$@" --json "$OUT/$name.json" \
+    2>&1 | grep -v "^\s*$" | grep -v " INFO " | tail -"${TAIL:-9}"
 }
 
 offline_4k() {  # offline_4k RATIO; OFFLINE_SETUP: Python run in the process first (e.g. setting a module constant)
@@ -293,10 +305,8 @@ run_stage() {
     one-batch-fp8)
       for max_m in 0 1; do  # GEMV_MAX_M is a module constant: set it in the process before the benchmark runs
         echo "== one-batch --quantization fp8, GEMV_MAX_M=$max_m"
-        timeout 100 python3 -c "import sys; import kestrel.layers.fp8_gemm_triton as g; g.GEMV_MAX_M = $max_m
-from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:]))" \
-          $ONE_BATCH --batch-size 1 --quantization fp8 --json "$OUT/one_batch_fp8_gemv$max_m.json" 2>&1 \
-          | grep -v "^\s*$" | tail -11
+        TAIL=11 one_batch_set 100 "import kestrel.layers.fp8_gemm_triton as g; g.GEMV_MAX_M = $max_m" \
+          "one_batch_fp8_gemv$max_m" $ONE_BATCH --batch-size 1 --quantization fp8
       done ;;
     profile-decode)
       for bs in ${PROFILE_BS:-1 64}; do
@@ -410,11 +420,9 @@ from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:
       for model in ${MOE_MODELS:-qwen3-30b-a3b gpt-oss-20b}; do
         for fused in False True; do  # a module constant: set it in the process before the model is built
           echo "== $model: one-batch at batch 1 and 4, FUSED_DECODE_ROUTE=$fused"
-          timeout 110 python3 -c "import sys; import kestrel.layers.moe.paths as p; p.FUSED_DECODE_ROUTE = $fused
-from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:]))" \
-            --model "kestrel/assets/configs/$model" --load-format dummy --max-total-tokens 65536 --batch-size 1 4 \
-            --input-len 128 --output-len 64 --cuda-graph-max-bs 4 --json "$OUT/moe_${model}_decode_route_$fused.json" \
-            2>&1 | grep -v "^\s*$" | grep -v " INFO " | tail -14
+          TAIL=14 one_batch_set 110 "import kestrel.layers.moe.paths as p; p.FUSED_DECODE_ROUTE = $fused" \
+            "moe_${model}_decode_route_$fused" --model "kestrel/assets/configs/$model" --load-format dummy \
+            --max-total-tokens 65536 --batch-size 1 4 --input-len 128 --output-len 64 --cuda-graph-max-bs 4
         done
       done ;;
     moe-paths)
@@ -448,16 +456,13 @@ sys.argv[0] = 'decode_attention'; runpy.run_module('kestrel.bench.kernels.decode
       timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_one_row_gemv_gpu.py 2>&1 | tail -2
       for on in False True; do  # a module constant: set it in the process before the model is loaded
         echo "== one-batch at batch 1, one_row_gemv.ENABLED = $on"
-        timeout 100 python3 -c "import sys; import kestrel.layers.one_row_gemv as g; g.ENABLED = $on
-from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:]))" $ONE_BATCH --batch-size 1 \
-          --cuda-graph-max-bs 1 --json "$OUT/one_batch_bs1_gemv_$on.json" 2>&1 | grep -v "^\s*$" | grep -v " INFO " \
-          | tail -9
+        one_batch_set 100 "import kestrel.layers.one_row_gemv as g; g.ENABLED = $on" "one_batch_bs1_gemv_$on" \
+          $ONE_BATCH --batch-size 1 --cuda-graph-max-bs 1
       done
       echo "== one-batch at batch 1, --quantization fp8"
       one_batch 100 one_batch_bs1_fp8 $ONE_BATCH --batch-size 1 --cuda-graph-max-bs 1 --quantization fp8 | tail -9
       echo "== llama-3.1-8b-awq one-batch at batch 1"
-      one_batch 100 int4_bs1 --model kestrel/assets/configs/llama-3.1-8b-awq --load-format dummy --batch-size 1 \
-        --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 1 | tail -9 ;;
+      one_batch 100 int4_bs1 $AWQ_BS1 | tail -9 ;;
     fp8-w8a16)
       # The FP8 GEMV at M = 1 without quantizing the activations (GemvConfig.quantize_x) in the sweep, then
       # batch 1 with --quantization fp8 with GEMV_QUANTIZE_X off and on, one process each.
@@ -465,38 +470,29 @@ from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:
         | head -12
       for quant in True False; do  # a module constant: set it in the process before the model runs
         echo "== one-batch at batch 1, --quantization fp8, GEMV_QUANTIZE_X = $quant"
-        timeout 100 python3 -c "import sys; import kestrel.layers.fp8_gemm_triton as g; g.GEMV_QUANTIZE_X = $quant
-from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:]))" $ONE_BATCH --batch-size 1 \
-          --cuda-graph-max-bs 1 --quantization fp8 --json "$OUT/one_batch_bs1_fp8_quantx_$quant.json" 2>&1 \
-          | grep -v "^\s*$" | grep -v " INFO " | tail -8
+        one_batch_set 100 "import kestrel.layers.fp8_gemm_triton as g; g.GEMV_QUANTIZE_X = $quant" \
+          "one_batch_bs1_fp8_quantx_$quant" $ONE_BATCH --batch-size 1 --cuda-graph-max-bs 1 --quantization fp8
       done ;;
     one-row-defaults)
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py tests/gpu/test_int4_gpu.py 2>&1 \
         | tail -2
       for setup in "pass" "g.GEMV_QUANTIZE_X = True; g.ONE_ROW_TUNED = {}"; do  # module constants, set first
         echo "== one-batch at batch 1, --quantization fp8, $setup"
-        timeout 100 python3 -c "import sys; import kestrel.layers.fp8_gemm_triton as g; $setup
-from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:]))" $ONE_BATCH --batch-size 1 \
-          --cuda-graph-max-bs 1 --quantization fp8 --json "$OUT/one_batch_bs1_fp8_$([ "$setup" = pass ] && echo now \
-          || echo before).json" 2>&1 | grep -v "^\s*$" | grep -v " INFO " | tail -8
+        one_batch_set 100 "import kestrel.layers.fp8_gemm_triton as g; $setup" \
+          "one_batch_bs1_fp8_$([ "$setup" = pass ] && echo now || echo before)" $ONE_BATCH --batch-size 1 \
+          --cuda-graph-max-bs 1 --quantization fp8
       done
       echo "== llama-3.1-8b-awq one-batch at batch 1"
-      one_batch 100 int4_bs1 --model kestrel/assets/configs/llama-3.1-8b-awq --load-format dummy --batch-size 1 \
-        --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 1 | tail -8 ;;
+      one_batch 100 int4_bs1 $AWQ_BS1 | tail -8 ;;
     split-sum)
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_split_sum_gpu.py 2>&1 | tail -2
       for on in False True; do  # a module constant: set it in the process before the model runs
         echo "== one-batch at batch 1, --quantization fp8, SPLITS_SUMMED_IN_KERNEL = $on"
-        timeout 100 python3 -c "import sys; import kestrel.layers.fp8_gemm_triton as g; g.SPLITS_SUMMED_IN_KERNEL = $on
-from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:]))" $ONE_BATCH --batch-size 1 \
-          --cuda-graph-max-bs 1 --quantization fp8 --json "$OUT/one_batch_bs1_fp8_splitsum_$on.json" 2>&1 \
-          | grep -v "^\s*$" | grep -v " INFO " | tail -8
+        local setup="import kestrel.layers.fp8_gemm_triton as g; g.SPLITS_SUMMED_IN_KERNEL = $on"
+        one_batch_set 100 "$setup" "one_batch_bs1_fp8_splitsum_$on" $ONE_BATCH --batch-size 1 --cuda-graph-max-bs 1 \
+          --quantization fp8
         echo "== llama-3.1-8b-awq one-batch at batch 1, SPLITS_SUMMED_IN_KERNEL = $on"
-        timeout 100 python3 -c "import sys; import kestrel.layers.fp8_gemm_triton as g; g.SPLITS_SUMMED_IN_KERNEL = $on
-from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:]))" \
-          --model kestrel/assets/configs/llama-3.1-8b-awq --load-format dummy --batch-size 1 --input-len 128 \
-          --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 1 --json "$OUT/int4_bs1_splitsum_$on.json" \
-          2>&1 | grep -v "^\s*$" | grep -v " INFO " | tail -8
+        one_batch_set 100 "$setup" "int4_bs1_splitsum_$on" $AWQ_BS1
       done ;;
     int4-half2)
       timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_int4_gpu.py 2>&1 | tail -2
@@ -504,11 +500,7 @@ from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:
         --budget-s 110 2>&1 | tail -12
       for on in False True; do  # a module constant: set it in the process before the model runs
         echo "== llama-3.1-8b-awq one-batch at batch 1, HALF2 = $on"
-        timeout 100 python3 -c "import sys; import kestrel.layers.int4_gemm_triton as g; g.HALF2 = $on
-from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:]))" \
-          --model kestrel/assets/configs/llama-3.1-8b-awq --load-format dummy --batch-size 1 --input-len 128 \
-          --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 1 --json "$OUT/int4_bs1_half2_$on.json" \
-          2>&1 | grep -v "^\s*$" | grep -v " INFO " | tail -8
+        one_batch_set 100 "import kestrel.layers.int4_gemm_triton as g; g.HALF2 = $on" "int4_bs1_half2_$on" $AWQ_BS1
       done ;;
     moe-bs1)
       # Batch 1 of both MoE families (graphs up to 1), then Qwen3-30B-A3B's eager kernels at batch 1.
@@ -526,12 +518,8 @@ from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:
         --budget-s 150 2>&1 | tail -12
       for tile in None "(128, 128, 16)"; do  # a module constant: set it in the process before the model runs
         echo "== llama-3.1-8b-awq one-batch at batch 1, NIBBLE_TILE = $tile"
-        timeout 100 python3 -c "import sys; import kestrel.layers.int4_gemm_triton as g; g.NIBBLE_TILE = $tile
-from kestrel.cli import main; sys.exit(main(['bench', 'one-batch'] + sys.argv[1:]))" \
-          --model kestrel/assets/configs/llama-3.1-8b-awq --load-format dummy --batch-size 1 --input-len 128 \
-          --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 1 \
-          --json "$OUT/int4_bs1_nibbles_$([ "$tile" = None ] && echo off || echo on).json" 2>&1 \
-          | grep -v "^\s*$" | grep -v " INFO " | tail -8
+        one_batch_set 100 "import kestrel.layers.int4_gemm_triton as g; g.NIBBLE_TILE = $tile" \
+          "int4_bs1_nibbles_$([ "$tile" = None ] && echo off || echo on)" $AWQ_BS1
       done ;;
     *)
       echo "gpu.sh: unknown stage '$1' (the list is at the top of scripts/gpu.sh)" >&2

@@ -260,12 +260,13 @@ ARRIVAL_COUNTERS = 1 << 16
 _arrivals: dict[torch.device, torch.Tensor] = {}
 
 
-def arrival_counters(device: torch.device, blocks: int) -> torch.Tensor | None:
+def arrival_counters(device: torch.device, blocks: int, split_k: int) -> torch.Tensor | None:
     """The device's int32 counters for sum_split_in_kernel (zero between launches: each launch's last programs
-    reset theirs), or None where the in-kernel sum is off or cannot serve: more column blocks than counters,
-    or no counters yet while a CUDA graph is captured (their allocation would be recorded into the graph).
+    reset theirs), or None where there is nothing to sum (split_k 1) or the in-kernel sum is off or cannot
+    serve: more column blocks than counters, or no counters yet while a CUDA graph is captured (their
+    allocation would be recorded into the graph); then sum_splits adds a split launch's partials.
     One set per device: kestrel issues its kernels on one stream, so no two launches share them at once."""
-    if not SPLITS_SUMMED_IN_KERNEL or blocks > ARRIVAL_COUNTERS:
+    if split_k == 1 or not SPLITS_SUMMED_IN_KERNEL or blocks > ARRIVAL_COUNTERS:
         return None
     if device not in _arrivals:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -324,11 +325,12 @@ def default_gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvCon
 # (N, K) -> the fastest config at one row in the H100's sweep (`python -m kestrel.bench.kernels.fp8 --gemv-only`,
 # docs/benchmarks.md): Llama-3.1-8B's qkv, o, gate_up and down. Their sum over 32 layers 2.91 ms against the
 # rule's 3.04; with W8A16, a batch-1 step 3.537 ms against 3.656. Other shapes take the rule.
+# The activations' rounding is GEMV_QUANTIZE_X's (the sweep's winners were W8A16).
 ONE_ROW_TUNED = {
-    (6144, 4096): GemvConfig(16, 1024, 1, num_warps=8, quantize_x=False),
-    (4096, 4096): GemvConfig(8, 1024, 1, num_warps=4, defer_reduce=True, quantize_x=False),
-    (28672, 4096): GemvConfig(16, 512, 1, num_warps=4, quantize_x=False),
-    (4096, 14336): GemvConfig(32, 512, 4, num_warps=8, quantize_x=False),
+    (6144, 4096): GemvConfig(16, 1024, 1, num_warps=8),
+    (4096, 4096): GemvConfig(8, 1024, 1, num_warps=4, defer_reduce=True),
+    (28672, 4096): GemvConfig(16, 512, 1, num_warps=4),
+    (4096, 14336): GemvConfig(32, 512, 4, num_warps=8),
 }
 
 
@@ -428,7 +430,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor |
         xq, x_s = x, x  # x_s unused: the kernel quantizes x itself, or the weight has no scales
     w_s = weight_scale_inv if scaled else weight  # unused without scales
     partial = y if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
-    arrivals = arrival_counters(x.device, triton.cdiv(n, cfg.block_n)) if cfg.split_k > 1 else None
+    arrivals = arrival_counters(x.device, triton.cdiv(n, cfg.block_n), cfg.split_k)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         xq, x_s, weight, w_s, y, partial, bias if bias is not None else y, m, n, k,
         xq.stride(0), x_s.stride(0), weight.stride(0), w_s.stride(0), y.stride(0),

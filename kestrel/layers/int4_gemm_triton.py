@@ -322,7 +322,7 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
     partial = y if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
     if cfg.nibbles or cfg.half2:
         kernel = _w4a16_half2_gemv_kernel if cfg.half2 else _w4a16_nibble_gemv_kernel
-        arrivals = arrival_counters(x.device, triton.cdiv(n, cfg.block_n)) if cfg.split_k > 1 else None
+        arrivals = arrival_counters(x.device, triton.cdiv(n, cfg.block_n), cfg.split_k)
         kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
             x, perm if perm is not None else qweight, qweight, zeros, scales, y, partial,
             bias if bias is not None else y, n, k, qweight.stride(0), zeros.stride(0), scales.stride(0),

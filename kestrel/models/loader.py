@@ -105,7 +105,7 @@ def _quantized(model: CausalLM, quantization: str | None, kernels: Kernels, hf_c
     """The model with its float weights quantized online (`quantization="fp8"`), or given random 4-bit
     weights (dummy weights under an AWQ / GPTQ config), or as it is; then its float linears at one row
     through the Triton GEMV (`kernels.triton_gemv`)."""
-    _quantize(model, quantization, kernels, hf_config)
+    _quantize_weights(model, quantization, kernels, hf_config)
     if kernels.triton_gemv:
         from kestrel.layers.one_row_gemv import route_one_row_linears
 
@@ -113,7 +113,7 @@ def _quantized(model: CausalLM, quantization: str | None, kernels: Kernels, hf_c
     return model
 
 
-def _quantize(model: CausalLM, quantization: str | None, kernels: Kernels, hf_config: dict) -> None:
+def _quantize_weights(model: CausalLM, quantization: str | None, kernels: Kernels, hf_config: dict) -> None:
     if quantization == "fp8":
         from kestrel.quant.linears import quantize_linears
 
