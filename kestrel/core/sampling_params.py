@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kestrel.core.pooling_params import PoolingParams
@@ -86,6 +86,15 @@ class SamplingParams:
     # Scheduling priority, vLLM's sense: a lower value is admitted first, and retracted last (default 0).
     priority: int = 0
     stop_strs: list[str] = field(init=False, repr=False, default_factory=list)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
+        """SGLang's form of a request's sampling parameters: a dict of these fields' names."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; the parameters are {names}")
+        return cls(**values)
 
     def __post_init__(self) -> None:
         self.stop_strs = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -130,10 +130,13 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
-                    sampling_params: SamplingParams | None = None, rid: str | None = None,
+                    sampling_params: SamplingParams | dict[str, Any] | None = None, rid: str | None = None,
                     lora_name: str | None = None) -> str:
-        """Validate and queue one request; returns its id. Raises ValueError on bad input. `lora_name`: a
-        loaded LoRA adapter to run with (LoRANotFoundError, a ValueError, when there is none)."""
+        """Validate and queue one request; returns its id. Raises ValueError on bad input. `sampling_params`:
+        a SamplingParams, or SGLang's dict of its fields. `lora_name`: a loaded LoRA adapter to run with
+        (LoRANotFoundError, a ValueError, when there is none)."""
+        if isinstance(sampling_params, dict):
+            sampling_params = SamplingParams.from_dict(sampling_params)
         params = sampling_params or SamplingParams()
         lora = self._lora_adapter(lora_name)
         params.validate(self.vocab_size)
@@ -349,7 +352,7 @@ class Engine:
         return [self.fail_request(req, error) for req in list(self._reqs.values())]
 
     def generate(self, prompts: str | list[str] | None = None,
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 sampling_params: SamplingParams | dict[str, Any] | list[SamplingParams | dict[str, Any]] | None = None,
                  prompt_token_ids: list[int] | list[list[int]] | None = None,
                  use_tqdm: bool = True, lora_name: str | list[str | None] | None = None) -> list[RequestOutput]:
         """Run prompts (text, or token ids) to completion; outputs in input order. `use_tqdm`: a progress

@@ -438,3 +438,17 @@ def test_the_step_cost_model_learns_only_for_an_itl_target(tiny_model, itl_targe
         engine.generate(prompt_token_ids=[[5, 6, 7, 8], [9, 10, 11]], sampling_params=params, use_tqdm=False)
         seen = engine.scheduler.cost.observations
     assert (seen > 10) if itl_target_ms is not None else seen == 0
+
+
+def test_sampling_params_as_sglang_s_dict(tiny_model):
+    """engine.generate takes SGLang's dict form too: the same tokens as the SamplingParams; an unknown key
+    is a ValueError naming it, and the engine keeps serving."""
+    with Engine(model=tiny_model("llama"), device="cpu", dtype="float32") as engine:
+        want = engine.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_new_tokens=5,
+                                                                                            temperature=0.0))
+        got = engine.generate(prompt_token_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 5, "temperature": 0})
+        assert got[0].token_ids == want[0].token_ids and len(got[0].token_ids) == 5
+        with pytest.raises(ValueError, match="max_tokenz"):
+            engine.generate(prompt_token_ids=[[1, 2, 3]], sampling_params={"max_tokenz": 5})
+        assert len(engine.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=GREEDY)[0].token_ids) == 12
+        assert_pool_full(engine)
