@@ -55,9 +55,9 @@ def draft_vocab(counted: torch.Tensor, size: int, vocab_size: int, special_ids: 
 def vocab_maps(ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The public layout of a draft vocabulary: d2t (int64 offsets, target id = i + d2t[i]) and t2d (a
     bool mask over the target vocabulary, true at the draft ids)."""
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool, device=ids.device)
     t2d[ids] = True
-    return (ids - torch.arange(len(ids))).to(torch.int64), t2d
+    return (ids - torch.arange(len(ids), device=ids.device)).to(torch.int64), t2d
 
 
 # ---- the head ----------------------------------------------------------------------------------------
@@ -115,5 +115,5 @@ def objective(head: Eagle3Head, lm_head_weight: torch.Tensor, vocab: torch.Tenso
 
 def checkpoint_tensors(head: Eagle3Head, public: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The head's public tensors (`public_tensors`: fc, midlayer.*, norm, lm_head, d2t) and t2d."""
-    ids = torch.arange(len(head.d2t)) + head.d2t
-    return {**public, "t2d": vocab_maps(ids, head.target_vocab_size)[1]}
+    ids = torch.arange(len(head.d2t), device=head.d2t.device) + head.d2t
+    return {**public, "t2d": vocab_maps(ids, head.target_vocab_size)[1].cpu()}

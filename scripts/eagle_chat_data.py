@@ -5,7 +5,7 @@ Prompts come from two offline sources: the first line of function docstrings in 
 library (demo's corpus, scripts/train_demo_model.py; prompts for training from its training files, held-out
 prompts from its held-out files), wrapped in a few coding requests; and general requests written here,
 TASKS x TOPICS, the held-out ones on topics no training prompt names. The target answers them itself
-through kestrel's Engine (batched, on the CPU): half greedy, half sampled, as it answers when serving.
+through kestrel's Engine (batched, on the CPU or a GPU): half greedy, half sampled, as it answers when serving.
 """
 from __future__ import annotations
 
@@ -64,12 +64,12 @@ def chat_ids(tok, prompts: list[str]) -> list[list[int]]:
 
 
 def engine_answers(target: str, prompts: list[list[int]], new_tokens: int, batch: int, deadline: float,
-                   seed: int) -> list[list[int]]:
-    """The target's answers to `prompts` through kestrel's Engine on the CPU, `batch` at a time until
+                   seed: int, device: str = "cpu") -> list[list[int]]:
+    """The target's answers to `prompts` through kestrel's Engine on `device`, `batch` at a time until
     `deadline` (time.time()): even prompts greedy, odd ones sampled (temperature 0.7, top-p 0.9).
     Returns prompt + answer token ids of every prompt answered."""
     out = []
-    with Engine(model=target, device="cpu", dtype="float32") as engine:
+    with Engine(model=target, device=device, dtype="float32") as engine:
         for start in range(0, len(prompts), batch):
             if time.time() >= deadline:
                 break
@@ -84,7 +84,7 @@ def engine_answers(target: str, prompts: list[list[int]], new_tokens: int, batch
 
 
 def measure_speculation(target: str, head: Path, algorithm: str, prompts: list[list[int]],
-                        new_tokens: int) -> tuple[dict, list[list[int]]]:
+                        new_tokens: int, device: str = "cpu") -> tuple[dict, list[list[int]]]:
     """Greedy answers to `prompts` through kestrel's Engine without speculation and with the head `head`
     (`algorithm`: "EAGLE" or "EAGLE3", what the head is) in each MEASURE_SETTINGS (steps/topk/draft
     tokens): the accept lengths (mean of the requests' meta spec_accept_length, and committed tokens over
@@ -96,7 +96,7 @@ def measure_speculation(target: str, head: Path, algorithm: str, prompts: list[l
         spec = {} if setting is None else dict(
             speculative_algorithm=algorithm, speculative_draft_model_path=str(head), speculative_num_steps=setting[0],
             speculative_eagle_topk=setting[1], speculative_num_draft_tokens=setting[2])
-        with Engine(model=target, device="cpu", dtype="float32", **spec) as engine:
+        with Engine(model=target, device=device, dtype="float32", **spec) as engine:
             started = time.time()
             outs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
             seconds = round(time.time() - started, 1)

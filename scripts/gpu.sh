@@ -40,6 +40,8 @@
 #   grammar         grammar masks per decode step at batch 64 (tool call, half tool call, JSON schema); needs
 #                   a Llama 3 tokenizer in .tok/llama3 (scripts/llama3_tokenizer.py, tokenizer.json gzipped)
 #   spec            kestrel bench spec demo and llama8b, with a kernel profile of the 5/4/8 round at batch 1
+#   eagle3-train    an EAGLE-3 head for SPEC_MODEL trained on the GPU into SPEC_HEAD (EAGLE3_TRAIN_FLAGS: the
+#                   script's flags, e.g. --prompts, --gen-tokens, --time-budget); OUT/eagle3_training_info.json
 #   spec-chat       kestrel bench spec chat: a chat model (SPEC_MODEL, e.g. the SmolLM2 GGUF) and its head (SPEC_HEAD,
 #                   SPEC_ALGORITHM, default EAGLE3) on the head's held-out prompts, plain / chain / tree at
 #                   batch 1, 8, 32: measured speedup and accept length
@@ -375,6 +377,12 @@ run_stage() {
       timeout 280 python3 -m kestrel.cli bench spec demo --json "$OUT/spec_demo.json" 2>&1 | grep -v INFO | tail -12
       timeout 300 python3 -m kestrel.cli bench spec llama8b --json "$OUT/spec_llama8b.json" \
         --profile "$OUT/spec_profile.txt" 2>&1 | grep -v INFO | tail -14 ;;
+    eagle3-train)
+      # An EAGLE-3 head for SPEC_MODEL (a chat model: GGUF file or folder) trained on this GPU into SPEC_HEAD
+      # (scripts/train_eagle_head.py --device cuda; EAGLE3_TRAIN_FLAGS: its other flags); its record to OUT.
+      timeout "${EAGLE3_TRAIN_TIMEOUT:-560}" python3 scripts/train_eagle_head.py --variant eagle3 --device cuda \
+        --target "$SPEC_MODEL" --out "$SPEC_HEAD" $EAGLE3_TRAIN_FLAGS 2>&1 | grep -v "it/s\]" | tail -30
+      cp "$SPEC_HEAD/training_info.json" "$OUT/eagle3_training_info.json" ;;
     spec-chat)
       timeout 400 python3 -m kestrel.cli bench spec chat --model "$SPEC_MODEL" \
         --speculative-algorithm "${SPEC_ALGORITHM:-EAGLE3}" --speculative-draft-model-path "$SPEC_HEAD" \

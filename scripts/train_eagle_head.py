@@ -1,5 +1,6 @@
-"""Train an EAGLE head by self-distillation on a CPU: `demo-eagle` for the bundled `demo` model, or a
-head for a real chat model (`--target`, a GGUF file or Hugging Face folder; the head is not shipped).
+"""Train an EAGLE head by self-distillation on a CPU or a GPU (`--device`): `demo-eagle` for the bundled
+`demo` model, or a head for a real chat model (`--target`, a GGUF file or Hugging Face folder; the head is
+not shipped).
 
     python scripts/train_eagle_head.py --bf16               # < 10 minutes on 2 cores, writes kestrel/assets/demo-eagle
     python scripts/train_eagle_head.py --time-budget 120 --out /tmp/eagle   # a quick run
@@ -23,7 +24,7 @@ top-1 agreement of the head with demo (teacher-forced features: the first drafte
 feature: the second) and the mean accept length greedy chain drafting would get on held-out prompts.
 
 A chat target (any `--target` but demo) trains on its own answers instead: chat prompts
-(scripts/eagle_chat_data.py) answered by the target through kestrel's Engine on the CPU, half greedy,
+(scripts/eagle_chat_data.py) answered by the target through kestrel's Engine (on `--device`), half greedy,
 half sampled; the losses count the answer positions only (the prompt is context). Its evaluation runs
 kestrel's Engine, greedy, on held-out prompts, with and without the head (chain 3/1/4, tree 5/4/8): the
 accept lengths and whether the outputs are the plain greedy ones; then the head's top-1 agreement with
@@ -115,7 +116,8 @@ class DraftChains:
         (k1, v1), chain = self.passes[0], self.passes[1:]
         n, context_len = q.shape[2], k1.shape[2]
         context = torch.einsum("bhtd,bhsd->bhts", q, k1) * scale
-        context = context.masked_fill(torch.arange(context_len) > torch.arange(n)[:, None], float("-inf"))
+        later = torch.arange(context_len, device=q.device) > torch.arange(n, device=q.device)[:, None]
+        context = context.masked_fill(later, float("-inf"))
         own = [(q * ki[:, :, :n]).sum(-1, keepdim=True) * scale for ki, _ in chain]
         p = torch.cat([context, *own], dim=-1).softmax(-1)
         out = p[..., :context_len] @ v1
@@ -135,7 +137,7 @@ def draft_passes(head, tokens: torch.Tensor, feats: torch.Tensor, num_passes: in
     out, inputs = [], head.project_target_hidden(feats[:, :-1])
     for k in range(1, num_passes + 1):
         n = tokens.shape[1] - k
-        positions = torch.arange(k - 1, k - 1 + n).repeat(b)
+        positions = torch.arange(k - 1, k - 1 + n, device=tokens.device).repeat(b)
         hidden = head.hidden_states(tokens[:, k:].flatten(), positions, inputs[:, :n].flatten(0, 1), batch)
         out.append((hidden.view(b, n, -1), head.compute_logits(hidden).view(b, n, -1) if logits else None))
         inputs = out[-1][0]
@@ -146,7 +148,7 @@ def pass_mask(first: torch.Tensor, lengths: torch.Tensor, k: int, n: int) -> tor
     """[B, n]: which entries of pass k draft a token of an answer: entry t sits at position t+k-1, which
     must be at or after the row's first draft root (`first`: the prompt's last position; 0 for corpus
     windows), and its target, the feature at t+k, must be a real token of the row (t+k < `lengths`)."""
-    t = torch.arange(n)
+    t = torch.arange(n, device=first.device)
     return (t + k - 1 >= first[:, None]) & (t + k < lengths[:, None])
 
 
@@ -186,20 +188,21 @@ def target_features(target, rows: list[list[int]], first: list[int], batch_size:
     first (so a batch pads little); stops when the phase's time share is spent (the set holds the rows
     it finished; None if none). `layers`: EAGLE-3's aux layers."""
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
-    width, hidden = max(map(len, rows), default=0), target.config.hidden_size
+    width, hidden, device = max(map(len, rows), default=0), target.config.hidden_size, target.device
     # Batches are written into place: no second copy of the largest tensors (EAGLE-3's aux states of a
     # chat target run to gigabytes). Rows never reached are never written, so their pages stay untouched.
-    tokens = torch.full((len(rows), width), pad)
-    feats = torch.empty(len(rows), width, hidden, dtype=torch.float16)
-    aux = None if layers is None else torch.empty(len(rows), width, len(layers) * hidden, dtype=torch.float16)
+    tokens = torch.full((len(rows), width), pad, device=device)
+    feats = torch.empty(len(rows), width, hidden, dtype=torch.float16, device=device)
+    aux = None if layers is None else torch.empty(len(rows), width, len(layers) * hidden, dtype=torch.float16,
+                                                  device=device)
     done = 0
     for i in range(0, len(order), batch_size):
         if clock.left_until(share) <= 0:
             break
         chunk = order[i:i + batch_size]
         w = max(len(rows[j]) for j in chunk)
-        ids = torch.tensor([rows[j] + [pad] * (w - len(rows[j])) for j in chunk])
-        mask = torch.tensor([[1] * len(rows[j]) + [0] * (w - len(rows[j])) for j in chunk])
+        ids = torch.tensor([rows[j] + [pad] * (w - len(rows[j])) for j in chunk], device=device)
+        mask = torch.tensor([[1] * len(rows[j]) + [0] * (w - len(rows[j])) for j in chunk], device=device)
         last, inputs = target_states(target, ids, mask, layers)
         rows_done = slice(i, i + len(chunk))
         tokens[rows_done, :w] = ids
@@ -210,8 +213,9 @@ def target_features(target, rows: list[list[int]], first: list[int], batch_size:
     if not done:
         return None
     kept, w = order[:done], len(rows[order[done - 1]])  # the longest row done is the last
-    return TrainingSet(tokens[:done, :w], feats[:done, :w], torch.tensor([first[j] for j in kept]),
-                       torch.tensor([len(rows[j]) for j in kept]), None if aux is None else aux[:done, :w])
+    return TrainingSet(tokens[:done, :w], feats[:done, :w], torch.tensor([first[j] for j in kept], device=device),
+                       torch.tensor([len(rows[j]) for j in kept], device=device),
+                       None if aux is None else aux[:done, :w])
 
 
 @torch.no_grad()
@@ -220,13 +224,13 @@ def own_continuations(target, stream: torch.Tensor, args, clock: Clock, share: f
     outs = []
     while clock.left_until(share) > 0:
         starts = torch.randint(0, len(stream) - args.prompt_len, (args.gen_batch, 1), generator=gen)
-        prompts = stream[starts + torch.arange(args.prompt_len)]
+        prompts = stream[starts + torch.arange(args.prompt_len)].to(target.device)
         sample = len(outs) % 2 == 0
         out = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.gen_tokens,
                               min_new_tokens=args.gen_tokens, do_sample=sample, temperature=0.8 if sample else None,
                               top_k=None, top_p=None, pad_token_id=demo_training.PAD)
         outs.append(out)
-    return torch.cat(outs) if outs else torch.empty(0, args.prompt_len + args.gen_tokens, dtype=torch.long)
+    return torch.cat(outs).cpu() if outs else torch.empty(0, args.prompt_len + args.gen_tokens, dtype=torch.long)
 
 
 # ---- training --------------------------------------------------------------------------------------
@@ -301,15 +305,15 @@ def train(head, objective: Objective, sets, args, clock: Clock, share: float) ->
         for group in opt.param_groups:
             group["lr"] = lr
         data = sets[int(torch.multinomial(weights, 1, generator=gen))]
-        rows = torch.randint(0, len(data.tokens), (args.batch_size,), generator=gen)
+        rows = torch.randint(0, len(data.tokens), (args.batch_size,), generator=gen).to(data.tokens.device)
         length = int(data.lengths[rows].max())  # rows are right-padded: cut the columns no row uses
         clean = data.feats[rows, :length].float()
         inputs = clean if data.aux is None else data.aux[rows, :length].float()
         if args.feature_noise:  # robustness to the head's own features, which drafting reads after pass 1
-            noise = args.feature_noise * torch.randn(inputs[:, :-1].shape, generator=gen)
+            noise = args.feature_noise * torch.randn(inputs[:, :-1].shape, generator=gen).to(inputs.device)
             inputs = torch.cat([inputs[:, :-1] + noise, inputs[:, -1:]], 1)
         logged = (step + 1) % args.log_every == 0
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+        with torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=args.bf16):
             terms, agree = losses(head, objective, data.tokens[rows, :length], inputs, clean, data.first[rows],
                                   data.lengths[rows], args.unroll, logged)
         loss = sum(args.reg_weight * value if name == "reg" else value for name, value in terms.items())
@@ -343,7 +347,8 @@ def public_tensors(head: DraftHead) -> dict[str, torch.Tensor]:
             out[f"{owner}.{part}.{leaf}"] = module.shard(tensor, shard)
         if not parts:
             out[name] = tensor
-    return {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).detach().contiguous() for k, v in out.items()}
+    return {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).detach().cpu().contiguous()
+            for k, v in out.items()}
 
 
 def save_head(head: DraftHead, config: dict, out: Path) -> None:
@@ -376,6 +381,7 @@ def chain_accept_length(head, target, prompts: torch.Tensor, new_tokens: int, st
     """Mean tokens per verify round (accepted drafts + the bonus) that greedy chain speculation with
     k draft steps commits while demo greedily continues held-out prompts. Exact: each chain is drafted
     with the attention serving uses, on tokens equal to the drafted ones wherever those are accepted."""
+    prompts = prompts.to(target.device)
     out = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=demo_training.PAD)
     _, inputs = target_states(target, out, None, head.target_hidden_layers)
@@ -414,25 +420,26 @@ def new_head(args, target, tok, target_config: dict, sets: list[TrainingSet], la
     parts = TargetParts(target.model.embed_tokens, lambda h: F.linear(h, train_lm_head))
     if layers is None:
         head = EagleHead(parse_arch_config(config), parts, fc_bias=True,
-                         max_positions=config["max_position_embeddings"])
+                         max_positions=config["max_position_embeddings"]).to(target.device)
         return head, eagle_objective(head, train_lm_head), config, {}
     # The drafted tokens: token t+1 of every position t where pass 1 drafts an answer token.
-    counted = torch.cat([s.tokens[:, 1:][pass_mask(s.first, s.lengths, 1, s.tokens.shape[1] - 1)] for s in sets])
+    counted = torch.cat([s.tokens[:, 1:][pass_mask(s.first, s.lengths, 1, s.tokens.shape[1] - 1)] for s in sets]).cpu()
     eos = target_config.get("eos_token_id")
     special = {*tok.all_special_ids, *(eos if isinstance(eos, list) else [eos] if eos is not None else [])}
     vocab = eagle3_training.draft_vocab(counted, args.draft_vocab_size, target.config.vocab_size, special)
     config = eagle3_training.head_config(config, len(vocab), target.config.hidden_size, layers)
-    head = eagle3_training.build_head(config, parts, vocab, target.model.norm.weight, target.lm_head.weight, layers)
+    head = eagle3_training.build_head(config, parts, vocab, target.model.norm.weight, target.lm_head.weight,
+                                      layers).to(target.device)
     info = {"draft_vocab_size": len(vocab), "target_hidden_layers": list(layers),
             "draft_vocab_answer_coverage": round(torch.isin(counted, vocab).float().mean().item(), 4)}
     log(f"draft vocabulary: {len(vocab):,} of {target.config.vocab_size:,} target ids, "
         f"{info['draft_vocab_answer_coverage']:.1%} of the {len(counted):,} answer tokens; the head reads the "
         f"inputs of target layers {list(layers)}")
-    return head, eagle3_training.objective(head, train_lm_head, vocab), config, info
+    return head, eagle3_training.objective(head, train_lm_head, vocab.to(target.device)), config, info
 
 
 # ---- targets ---------------------------------------------------------------------------------------
-def load_target(name: str):
+def load_target(name: str, device: str):
     """`demo` (the bundled model), a GGUF file, a folder holding one, or a Hugging Face folder ->
     (its path as kestrel takes it, the transformers model in float32, frozen; its tokenizer; its config)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -444,7 +451,7 @@ def load_target(name: str):
     gguf = gguf_file(path)
     where = dict(pretrained_model_name_or_path=str(gguf.parent), gguf_file=gguf.name) if gguf else \
         dict(pretrained_model_name_or_path=str(path))
-    target = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval().requires_grad_(False)
+    target = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval().requires_grad_(False).to(device)
     return str(path), target, AutoTokenizer.from_pretrained(**where), read_hf_config(str(path))
 
 
@@ -495,7 +502,8 @@ def chat_data(target_path: str, target, tok, args, clock: Clock, ends: dict, lay
     train_prompts, held_prompts = chat_data_module.chat_prompts(args.prompts, args.held_out_prompts, args.seed)
     rows = chat_data_module.chat_ids(tok, train_prompts)
     answered = chat_data_module.engine_answers(target_path, rows, args.gen_tokens, args.gen_batch,
-                                               clock.start + clock.budget * ends["own continuations"], args.seed)
+                                               clock.start + clock.budget * ends["own continuations"], args.seed,
+                                               args.device)
     answer_tokens = sum(len(a) - len(p) for a, p in zip(answered, rows))
     log(f"{len(answered)} of {len(rows)} prompts answered by the target, {answer_tokens:,} answer tokens "
         f"({clock.elapsed():.0f}s)")
@@ -517,7 +525,7 @@ def evaluate_chat(shipped, target_path: str, target, lm_head_weight, held_rows, 
     """kestrel's engine, greedy, on the held-out prompts: without speculation and with the head (accept
     lengths, outputs equal?); then the head's top-1 agreement on those greedy answers."""
     measured, plain = chat_data_module.measure_speculation(target_path, out_dir, shipped.variant, held_rows,
-                                                           args.measure_tokens)
+                                                           args.measure_tokens, args.device)
     rows = [p + a for p, a in zip(held_rows, plain)]
     data = target_features(target, rows, [len(p) - 1 for p in held_rows], 16, Clock(1e9), 1.0,
                            layers=shipped.target_hidden_layers)
@@ -534,6 +542,8 @@ def parse_args(argv):
                    help="seconds for the phases up to the end of training, which leaves evaluation (~40-80 s) "
                         "inside 10 minutes")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu",
+                   help="where the target answers, its features are computed and the head trains (e.g. cuda)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--window", type=int, default=256, help="demo: tokens per corpus window")
     p.add_argument("--corpus-windows", type=int, default=4000, help="demo: at most this many corpus windows")
@@ -587,6 +597,12 @@ def parse_args(argv):
     return args
 
 
+def describe_device(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or "cpu"
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     command = "python " + shlex.join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)])
@@ -595,7 +611,7 @@ def main(argv=None) -> None:
     clock = Clock(args.time_budget)
     demo = args.target == "demo"
     ends = ENDS["demo" if demo else "chat"]
-    target_path, target, tok, target_config = load_target(args.target)
+    target_path, target, tok, target_config = load_target(args.target, args.device)
     lm_head_weight = target.lm_head.weight.detach()
     log(f"command: {command}\nPython {platform.python_version()}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, budget {args.time_budget:.0f}s, target {target_path}")
@@ -619,7 +635,7 @@ def main(argv=None) -> None:
 
     save_head(head, config, args.out)
     shipped = load_eagle_head(args.out, head.variant, parts, num_target_layers=target.config.num_hidden_layers,
-                              max_positions=config["max_position_embeddings"], dtype=torch.float32, device="cpu")
+                              max_positions=config["max_position_embeddings"], dtype=torch.float32, device=args.device)
 
     if demo:
         held_windows, prompts = held
@@ -634,7 +650,7 @@ def main(argv=None) -> None:
         log(f"held-out evaluation: {json.dumps(results)} ({clock.elapsed():.0f}s)")
 
     info = {"command": command, "python": platform.python_version(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "target": args.target, "variant": args.variant, **head_info,
+            "threads": torch.get_num_threads(), "device": describe_device(args.device), "target": args.target, "variant": args.variant, **head_info,
             "training": trained, **data_info, "evaluation": results, "wall_seconds": round(clock.elapsed(), 1),
             "args": {k: str(v) for k, v in vars(args).items()}}
     (args.out / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")

@@ -47,10 +47,12 @@ class GemvConfig:
 
 
 # The down GEMV's config where it differs from the up GEMV's (None: the same). Its reduction is the
-# intermediate width (768 for Qwen3-30B-A3B: three 256-wide steps), the up GEMV's the hidden one.
-# kestrel/bench/kernels/moe_paths.py sweeps it (`down_sweep`); a module constant so that a benchmark can set
-# it in its process before the model runs.
-DOWN_CONFIG: GemvConfig | None = None
+# intermediate width (768 for Qwen3-30B-A3B, 2880 for gpt-oss-20b), the up GEMV's the hidden one: fewer,
+# longer steps per program. kestrel/bench/kernels/moe_paths.py sweeps it (`DOWN_SWEEP`); on the H100 at one
+# token the whole GEMV path took 0.0418 / 0.0907 ms with it against 0.0455 / 0.0939 with the up GEMV's
+# config (Qwen3-30B-A3B / gpt-oss-20b, docs/benchmarks.md). A module constant so that a benchmark can set it
+# in its process before the model runs.
+DOWN_CONFIG: GemvConfig | None = GemvConfig(block_n=8, block_k=1024, num_warps=4)
 
 
 @triton_jit
