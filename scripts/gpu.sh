@@ -380,10 +380,12 @@ run_stage() {
     eagle3-train)
       # An EAGLE-3 head for SPEC_MODEL (a chat model: GGUF file or folder) trained on this GPU into SPEC_HEAD
       # (scripts/train_eagle_head.py --device cuda; EAGLE3_TRAIN_FLAGS: its other flags); its record to OUT.
+      server_deps || return 1  # gguf, for a GGUF target
       timeout "${EAGLE3_TRAIN_TIMEOUT:-560}" python3 scripts/train_eagle_head.py --variant eagle3 --device cuda \
         --target "$SPEC_MODEL" --out "$SPEC_HEAD" $EAGLE3_TRAIN_FLAGS 2>&1 | grep -v "it/s\]" | tail -30
       cp "$SPEC_HEAD/training_info.json" "$OUT/eagle3_training_info.json" ;;
     spec-chat)
+      server_deps || return 1  # gguf, for a GGUF target
       timeout 400 python3 -m kestrel.cli bench spec chat --model "$SPEC_MODEL" \
         --speculative-algorithm "${SPEC_ALGORITHM:-EAGLE3}" --speculative-draft-model-path "$SPEC_HEAD" \
         --prompts-file "$SPEC_HEAD/training_info.json" --json "$OUT/spec_chat.json" 2>&1 | grep -v INFO | tail -12 ;;
