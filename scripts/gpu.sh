@@ -44,7 +44,7 @@
 #                   script's flags, e.g. --prompts, --gen-tokens, --time-budget); OUT/eagle3_training_info.json
 #   spec-chat       kestrel bench spec chat: a chat model (SPEC_MODEL, e.g. the SmolLM2 GGUF) and its head (SPEC_HEAD,
 #                   SPEC_ALGORITHM, default EAGLE3) on the head's held-out prompts, plain / chain / tree at
-#                   batch 1, 8, 32: measured speedup and accept length
+#                   batch 1, 8, 32: measured speedup and accept length (SPEC_CHAT_FLAGS: the bench's other flags)
 #   kernels         the FP8 GEMV at M <= 8; decode attention at mixed lengths, bf16 and over an FP8 pool
 #   decode-launch   the decode kernel's launch configurations at 256 x 2048
 #   prefill-attention  the Triton extend kernel and the sdpa backend against torch's SDPA kernels
@@ -386,9 +386,10 @@ run_stage() {
       cp "$SPEC_HEAD/training_info.json" "$OUT/eagle3_training_info.json" ;;
     spec-chat)
       server_deps || return 1  # gguf, for a GGUF target
-      timeout 400 python3 -m kestrel.cli bench spec chat --model "$SPEC_MODEL" \
+      timeout "${SPEC_CHAT_TIMEOUT:-400}" python3 -m kestrel.cli bench spec chat --model "$SPEC_MODEL" \
         --speculative-algorithm "${SPEC_ALGORITHM:-EAGLE3}" --speculative-draft-model-path "$SPEC_HEAD" \
-        --prompts-file "$SPEC_HEAD/training_info.json" --json "$OUT/spec_chat.json" 2>&1 | grep -v INFO | tail -12 ;;
+        --prompts-file "$SPEC_HEAD/training_info.json" --json "$OUT/spec_chat.json" $SPEC_CHAT_FLAGS 2>&1 \
+        | grep -v INFO | tail -12 ;;
     kernels)
       timeout 230 python3 -m kestrel.bench.kernels.fp8 --gemv-only --budget 200 2>&1 | tail -40
       timeout 200 python3 -m kestrel.bench.kernels.decode_attention 2>&1 | tail -30
