@@ -15,6 +15,7 @@ import sysconfig
 import time
 from pathlib import Path
 
+import torch
 import train_demo_model as demo_training
 
 from kestrel import Engine, SamplingParams
@@ -63,13 +64,19 @@ def chat_ids(tok, prompts: list[str]) -> list[list[int]]:
                                          tokenize=True, return_dict=True)["input_ids"]) for p in prompts]
 
 
+def pool(device: str, tokens: int) -> dict:
+    """On a GPU, a KV pool of `tokens`: sized from free memory, an Engine would take most of what the
+    training data and the target leave, and the next Engine would find none."""
+    return {"max_total_tokens": tokens} if torch.device(device).type == "cuda" else {}
+
+
 def engine_answers(target: str, prompts: list[list[int]], new_tokens: int, batch: int, deadline: float,
                    seed: int, device: str = "cpu") -> list[list[int]]:
     """The target's answers to `prompts` through kestrel's Engine on `device`, `batch` at a time until
     `deadline` (time.time()): even prompts greedy, odd ones sampled (temperature 0.7, top-p 0.9).
     Returns prompt + answer token ids of every prompt answered."""
     out = []
-    with Engine(model=target, device=device, dtype="float32") as engine:
+    with Engine(model=target, device=device, dtype="float32", **pool(device, 262144)) as engine:
         for start in range(0, len(prompts), batch):
             if time.time() >= deadline:
                 break
@@ -96,7 +103,7 @@ def measure_speculation(target: str, head: Path, algorithm: str, prompts: list[l
         spec = {} if setting is None else dict(
             speculative_algorithm=algorithm, speculative_draft_model_path=str(head), speculative_num_steps=setting[0],
             speculative_eagle_topk=setting[1], speculative_num_draft_tokens=setting[2])
-        with Engine(model=target, device=device, dtype="float32", **spec) as engine:
+        with Engine(model=target, device=device, dtype="float32", **pool(device, 32768), **spec) as engine:
             started = time.time()
             outs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
             seconds = round(time.time() - started, 1)
