@@ -95,9 +95,12 @@ class KVMemory:
 
 def pool_size(cache: CacheConfig, layouts: list[KVLayout], max_requests: int, device: torch.device) -> int:
     """KV slot space in tokens: `max_total_tokens` when set (always on CPU); on CUDA what is free after
-    the weights, minus the share kept for activations, filled by the layouts (per-request state first)."""
+    the weights, minus the share kept for activations, filled by the layouts (per-request state first).
+    Blocks the caching allocator holds but no tensor uses (a closed Engine's pool, a training loop's
+    activations in the same process) go back to the driver first, so they count as free."""
     if cache.max_total_tokens is not None:
         return cache.max_total_tokens
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     budget = free - total * (1 - cache.mem_fraction_static)
     fixed = (max_requests + 1) * sum(layout.bytes_per_request for layout in layouts)

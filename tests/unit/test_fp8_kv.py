@@ -168,6 +168,18 @@ def test_fp8_pool_holds_twice_the_tokens_in_the_same_gpu_budget(monkeypatch):
     assert tokens_fp8 == 2 * tokens_bf16
 
 
+def test_pool_size_counts_the_allocators_unused_blocks_as_free(monkeypatch):
+    """A process that used the GPU before (a closed Engine, a training loop) holds cached blocks the driver
+    reports as used: they are released before the free memory is read."""
+    cached = {"bytes": 6 * 2**30}
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: cached.update(bytes=0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda device=None: (10 * 2**30 - cached["bytes"], 20 * 2**30))
+    cache = dataclasses.replace(CacheConfig(), page_size=1, mem_fraction_static=0.9)
+    layout = KVLayout.full_attention(32, 8, 128, torch.bfloat16)
+    assert pool_size(cache, [layout], 8, torch.device("cuda")) == int(8 * 2**30 // (32 * 2 * 8 * 128 * 2))
+
+
 def test_unknown_kv_cache_dtype_lists_the_valid_ones():
     with pytest.raises(ValueError, match="auto, fp8_e4m3, fp8_e5m2.*'fp16'"):
         kv_cache_dtype("fp16", torch.float16)
