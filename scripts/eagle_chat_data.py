@@ -5,7 +5,8 @@ Prompts come from two offline sources: the first line of function docstrings in 
 library (demo's corpus, scripts/train_demo_model.py; prompts for training from its training files, held-out
 prompts from its held-out files), wrapped in a few coding requests; and general requests written here,
 TASKS x TOPICS, the held-out ones on topics no training prompt names. The target answers them itself
-through kestrel's Engine (batched, on the CPU or a GPU): half greedy, half sampled, as it answers when serving.
+through kestrel's Engine (batched, on the CPU or a GPU): half greedy, half sampled, as it answers when
+serving.
 """
 from __future__ import annotations
 
@@ -65,8 +66,8 @@ def chat_ids(tok, prompts: list[str]) -> list[list[int]]:
 
 
 def pool(device: str, tokens: int) -> dict:
-    """On a GPU, a KV pool of `tokens`: sized from free memory, an Engine would take most of what the
-    training data and the target leave, and the next Engine would find none."""
+    """On a GPU, a KV pool of `tokens`: sized from free memory, an Engine would take most of the device,
+    which the training data and the head beside it in this process need."""
     return {"max_total_tokens": tokens} if torch.device(device).type == "cuda" else {}
 
 

@@ -650,7 +650,8 @@ def main(argv=None) -> None:
         log(f"held-out evaluation: {json.dumps(results)} ({clock.elapsed():.0f}s)")
 
     info = {"command": command, "python": platform.python_version(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "device": describe_device(args.device), "target": args.target, "variant": args.variant, **head_info,
+            "threads": torch.get_num_threads(), "device": describe_device(args.device), "target": args.target,
+            "variant": args.variant, **head_info,
             "training": trained, **data_info, "evaluation": results, "wall_seconds": round(clock.elapsed(), 1),
             "args": {k: str(v) for k, v in vars(args).items()}}
     (args.out / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
