@@ -198,3 +198,30 @@ def test_an_adapter_waiting_for_a_slot_is_not_starved(setup) -> None:
             if admitted_at is None and engine.request(poet).kv_len > 0:
                 admitted_at = now[0]
         assert admitted_at is not None and 8.0 <= admitted_at <= 12.0, admitted_at
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_speculative_decoding_keeps_each_adapters_greedy_tokens(setup, algorithm) -> None:
+    """A verify scores several tokens of each row through its own adapter: greedy tokens equal the plain
+    engine's in a batch mixing adapters and base rows. The draft model (the base itself here) drafts without
+    adapters, so only the base row accepts every draft."""
+    base, adapters = setup
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 60, (n,), generator=g).tolist() * 3 for n in (5, 8, 6, 4)]  # repeats: n-grams hit
+    loras = ["sql", "poet", None, "wide"]
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def run(names=loras, **spec):
+        with _engine(base, adapters, **spec) as engine:
+            return engine.generate(prompt_token_ids=prompts, sampling_params=params, lora_name=names, use_tqdm=False)
+
+    plain = run()
+    base_only = run([None] * len(prompts))
+    assert sum(a.token_ids != b.token_ids for a, b in zip(plain, base_only)) >= 2, "adapters must change tokens"
+    draft = {"speculative_draft_model_path": str(base)} if algorithm == "STANDALONE" else {}
+    spec = run(speculative_algorithm=algorithm, **draft)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    accepted = [o.meta["spec_accept_length"] for o in spec]
+    assert max(accepted) > 1.0, f"no draft was accepted ({accepted}): the verify path was not exercised"
+    if algorithm == "STANDALONE":
+        assert accepted[2] == max(accepted)  # the base row: the draft is its own model
