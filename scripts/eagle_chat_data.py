@@ -66,8 +66,8 @@ def chat_ids(tok, prompts: list[str]) -> list[list[int]]:
 
 
 def pool(device: str, tokens: int) -> dict:
-    """On a GPU, a KV pool of `tokens`: sized from free memory, an Engine would take most of the device,
-    which the training data and the head beside it in this process need."""
+    """On a GPU, a KV pool of `tokens`, ample for these answers: sized from free memory, an Engine would
+    take most of the device, beside the training data and the head this process keeps there."""
     return {"max_total_tokens": tokens} if torch.device(device).type == "cuda" else {}
 
 

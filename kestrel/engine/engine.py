@@ -5,6 +5,7 @@ reports what each request got, formats outputs and owns the lifecycle of tokeniz
 model runner, speculative worker and tensor-parallel ranks."""
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import numbers
@@ -13,6 +14,8 @@ import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from typing import Any, Callable, Iterable
+
+import torch
 
 from kestrel import envs
 from kestrel.cache.kv_events_publisher import open_kv_event_log
@@ -442,8 +445,11 @@ class Engine:
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Abort every request and forget them, and stop the tensor-parallel ranks (the engine cannot
-        step after that); safe to call at any time, also after a failed step."""
+        """Abort every request and forget them, stop the tensor-parallel ranks and let go of the model, the
+        KV pool and the CUDA graphs (the engine cannot step after that); safe to call at any time, also
+        after a failed step, and more than once."""
+        if self.loop is None:  # shut down already
+            return
         if self.ranks is not None:
             self.ranks.stop()
         self.loop.inflight = None
@@ -457,6 +463,18 @@ class Engine:
         self._reqs.clear()
         self._texts.clear()
         self._streamed.clear()
+        self._release_device_memory()
+
+    def _release_device_memory(self) -> None:
+        """Device memory goes back now, not when the last reference to the engine dies: a caller may keep
+        the engine bound long after (a `with` block's name lives on), and the parts reference one another,
+        so only a full garbage collection, which Python runs rarely, would free them. A second engine
+        started in the same process would then find the first one's KV pool still taken."""
+        device = self.device
+        self.loop = self.spec_worker = self.scheduler = self.radix = self.runner = self.kv_memory = self.lora = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def __enter__(self) -> "Engine":
         return self

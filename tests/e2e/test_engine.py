@@ -452,3 +452,18 @@ def test_sampling_params_as_sglang_s_dict(tiny_model):
             engine.generate(prompt_token_ids=[[1, 2, 3]], sampling_params={"max_tokenz": 5})
         assert len(engine.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=GREEDY)[0].token_ids) == 12
         assert_pool_full(engine)
+
+
+def test_shutdown_frees_the_model_and_the_kv_pool_while_the_engine_is_still_referenced(tiny_model):
+    """A `with` block's name outlives the block, and the engine's parts reference one another: the device
+    memory must go back at shutdown, not at Python's next full collection."""
+    import weakref
+
+    with Engine(model=tiny_model("llama"), device="cpu", dtype="float32", max_total_tokens=512) as engine:
+        engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY)
+        held = [*engine.kv_memory.pools[0].token_buffers(), *engine.runner.model.parameters()]
+        refs = [weakref.ref(t) for t in held]
+        del held
+    assert engine is not None  # still bound
+    assert not [r for r in refs if r() is not None], "a shut-down engine still holds its KV pool or weights"
+    engine.shutdown()  # a second shutdown is harmless
