@@ -77,9 +77,11 @@ def test_a_bookkeeping_fault_fails_only_the_requests_it_touches(tiny_model, monk
     monkeypatch.setattr(engine, "step_deltas", step_deltas)
     # ... and the loop serves on, with the same tokens as a clean run.
     assert serve("gh") == {n: (want[n], "length") for n in "gh"}
+    # Nothing the faults touched is left behind: no request, no KV slot.
+    assert not engine.scheduler.live()
+    assert_pool_full(engine)
     inbox_w.send(Shutdown())
     thread.join(30)
     assert not thread.is_alive()
-    assert not engine.scheduler.live()
-    assert_pool_full(engine)
+    assert engine.runner is None  # the shut-down engine let go of its model and KV pool
 

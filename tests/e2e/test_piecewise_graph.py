@@ -136,6 +136,7 @@ def test_fallbacks(tiny_model):
     model = tiny_model("llama")
     with Engine(model=model, device="cpu", dtype="float32") as engine:
         runner = engine.runner
+        llama = runner.model  # the shut-down engine lets go of it
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
         batches = []
         build = runner.build_batch
@@ -163,7 +164,6 @@ def test_fallbacks(tiny_model):
         return resolve_config(EngineConfig.from_flat(model=model, device="cpu", dtype="float32",
                                                      enable_piecewise_cuda_graph=True, **kw))
 
-    llama = engine.runner.model
     assert piecewise_unavailable(config(attention_backend="triton"), llama, cuda) is None
     assert "CUDA" in piecewise_unavailable(config(attention_backend="triton"), llama, torch.device("cpu"))
     assert "disable-cuda-graph" in piecewise_unavailable(config(attention_backend="triton", disable_cuda_graph=True),

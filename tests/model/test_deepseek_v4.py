@@ -285,9 +285,9 @@ def test_engine_fp8_kv_greedy_and_bytes(weights, tmp_path) -> None:
         layout = pools.layout
         held = sum(getattr(pools.layer(layer), b.name).nbytes for g in layout.groups for layer in g.layer_ids
                    for b in g.buffers)
+        auto = engine.runner.model.kv_layout(torch.float32)
     num_slots = (memory.allocator.num_pages + 1) * memory.allocator.page_size
     assert held == num_slots * layout.bytes_per_token + memory.req_to_token.table.shape[0] * layout.bytes_per_request
-    auto = engine.runner.model.kv_layout(torch.float32)
     # Per token: (82 B entry + 36 B key) / 4 for each ratio-4 layer, 82 B / 128 for the ratio-128 one.
     assert layout.bytes_per_token == 2 * (82 + 36) / 4 + 82 / 128 == memory.bytes_per_token
     assert layout.bytes_per_token / auto.bytes_per_token == pytest.approx((82 + 36) / (4 * (64 + 32)), rel=0.01)
