@@ -42,7 +42,7 @@
 #   spec            kestrel bench spec demo and llama8b, with a kernel profile of the 5/4/8 round at batch 1
 #   eagle3-train    an EAGLE-3 head for SPEC_MODEL trained on the GPU into SPEC_HEAD (EAGLE3_TRAIN_FLAGS: the
 #                   script's flags, e.g. --prompts, --gen-tokens, --time-budget); OUT/eagle3_training_info.json.
-#                   A Python without the stdlib's test/ folder gets demo's held-out files from heldout_texts/
+#                   A Python without the stdlib's test/ folder gets demo's held-out files from heldout_texts/ (dsv4)
 #   spec-chat       kestrel bench spec chat: a chat model (SPEC_MODEL, e.g. the SmolLM2 GGUF) and its head (SPEC_HEAD,
 #                   SPEC_ALGORITHM, default EAGLE3) on the head's held-out prompts, plain / chain / tree at
 #                   batch 1, 8, 32: measured speedup and accept length (SPEC_CHAT_FLAGS: the bench's other flags)
@@ -385,7 +385,12 @@ run_stage() {
       local stdlib
       stdlib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
       if [ ! -d "$stdlib/test" ]; then  # held-out prompts come from demo's held-out files, in the stdlib's test/
-        mkdir -p "$stdlib/test" && cp heldout_texts/test_*.py "$stdlib/test/" || return 1
+        local f name
+        for f in heldout_texts/*; do  # named as docs/benchmarks.md writes them: "/" as "__"
+          name=$(basename "$f")
+          name=${name//__//}
+          mkdir -p "$stdlib/$(dirname "$name")" && cp "$f" "$stdlib/$name" || return 1
+        done
       fi
       timeout "${EAGLE3_TRAIN_TIMEOUT:-560}" python3 scripts/train_eagle_head.py --variant eagle3 --device cuda \
         --target "$SPEC_MODEL" --out "$SPEC_HEAD" $EAGLE3_TRAIN_FLAGS 2>&1 | grep -v "it/s\]" | tail -30
