@@ -10,7 +10,6 @@ serving.
 """
 from __future__ import annotations
 
-import gc
 import random
 import sysconfig
 import time
@@ -65,12 +64,6 @@ def chat_ids(tok, prompts: list[str]) -> list[list[int]]:
                                          tokenize=True, return_dict=True)["input_ids"]) for p in prompts]
 
 
-def pool(device: str, tokens: int) -> dict:
-    """On a GPU, a KV pool of `tokens`, ample for these answers: sized from free memory, an Engine would
-    take most of the device, beside the training data and the head this process keeps there."""
-    return {"max_total_tokens": tokens} if torch.device(device).type == "cuda" else {}
-
-
 def engine_answers(target: str, prompts: list[list[int]], new_tokens: int, batch: int, deadline: float,
                    seed: int, device: str = "cpu") -> list[list[int]]:
     """The target's answers to `prompts` through kestrel's Engine on `device` (float32 on a CPU, bfloat16 on a
@@ -80,7 +73,7 @@ def engine_answers(target: str, prompts: list[list[int]], new_tokens: int, batch
     # On a GPU in bfloat16: the answers are training text (the features come from the float32 target), and in
     # float32 one H200 answered a single batch of 512 in the phase's 71 s, start-up included.
     dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
-    with Engine(model=target, device=device, dtype=dtype, **pool(device, 262144)) as engine:
+    with Engine(model=target, device=device, dtype=dtype) as engine:
         for start in range(0, len(prompts), batch):
             if time.time() >= deadline:
                 break
@@ -90,7 +83,6 @@ def engine_answers(target: str, prompts: list[list[int]], new_tokens: int, batch
                       for i in range(len(chunk))]
             answers = engine.generate(prompt_token_ids=chunk, sampling_params=params, use_tqdm=False)
             out += [p + a.token_ids for p, a in zip(chunk, answers)]
-    gc.collect()
     return out
 
 
@@ -107,11 +99,10 @@ def measure_speculation(target: str, head: Path, algorithm: str, prompts: list[l
         spec = {} if setting is None else dict(
             speculative_algorithm=algorithm, speculative_draft_model_path=str(head), speculative_num_steps=setting[0],
             speculative_eagle_topk=setting[1], speculative_num_draft_tokens=setting[2])
-        with Engine(model=target, device=device, dtype="float32", **pool(device, 32768), **spec) as engine:
+        with Engine(model=target, device=device, dtype="float32", **spec) as engine:
             started = time.time()
             outs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
             seconds = round(time.time() - started, 1)
-        gc.collect()
         tokens = [o.token_ids for o in outs]
         entry = {"seconds": seconds, "completion_tokens": sum(map(len, tokens))}
         if plain is None:

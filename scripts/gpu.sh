@@ -74,8 +74,6 @@
 #   one-row-defaults  the FP8 and int4 GPU tests; batch 1 with --quantization fp8 at the one-row defaults, then the earlier
 #                   ones (activations quantized, the split rule, no ONE_ROW_TUNED); llama-3.1-8b-awq
 #                   at batch 1. < 5 min
-#   split-sum       its GPU test, then batch 1 with --quantization fp8 and llama-3.1-8b-awq with split-K partials
-#                   summed by a second launch, then in the kernel (fp8_gemm_triton.SPLITS_SUMMED_IN_KERNEL). < 6 min
 #   int4-half2      the int4 GPU tests, the W4A16 GEMVs at M = 1 (nibbles, and on pairs: Int4GemmConfig.half2), then
 #                   llama-3.1-8b-awq at batch 1 with int4_gemm_triton.HALF2 off, then on. < 6 min
 #   moe-bs1         Qwen3-30B-A3B and gpt-oss-20b at batch 1 (graphs up to 1), then Qwen3's eager kernels at batch 1
@@ -506,16 +504,6 @@ sys.argv[0] = 'decode_attention'; runpy.run_module('kestrel.bench.kernels.decode
       done
       echo "== llama-3.1-8b-awq one-batch at batch 1"
       one_batch 100 int4_bs1 $AWQ_BS1 | tail -8 ;;
-    split-sum)
-      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_split_sum_gpu.py 2>&1 | tail -2
-      for on in False True; do  # a module constant: set it in the process before the model runs
-        echo "== one-batch at batch 1, --quantization fp8, SPLITS_SUMMED_IN_KERNEL = $on"
-        local setup="import kestrel.layers.fp8_gemm_triton as g; g.SPLITS_SUMMED_IN_KERNEL = $on"
-        one_batch_set 100 "$setup" "one_batch_bs1_fp8_splitsum_$on" $ONE_BATCH --batch-size 1 --cuda-graph-max-bs 1 \
-          --quantization fp8
-        echo "== llama-3.1-8b-awq one-batch at batch 1, SPLITS_SUMMED_IN_KERNEL = $on"
-        one_batch_set 100 "$setup" "int4_bs1_splitsum_$on" $AWQ_BS1
-      done ;;
     int4-half2)
       timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_int4_gpu.py 2>&1 | tail -2
       timeout 130 python3 -m kestrel.bench.kernels.int4_gemm --ms 1 --ways gemv-nibbles,gemv-half2 \

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 
 import torch
 
@@ -114,9 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.transformers_batch_size:
         device, dtype = engine.device, getattr(torch, engine.config.model.dtype)
         model_path = engine.config.model.model
-        engine.shutdown()
-        del engine
-        gc.collect()  # the engine's KV pool must be gone before transformers loads its model
+        engine.shutdown()  # its KV pool goes back before transformers loads its model
         n = min(args.transformers_prompts, len(prompts))
         base = run_transformers(model_path, dtype, device, prompts[:n], out_lens[:n], args.transformers_batch_size)
         result["transformers"] = base

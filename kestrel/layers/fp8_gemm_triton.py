@@ -162,31 +162,10 @@ def store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_ym
 
 
 @triton_jit
-def sum_split_in_kernel(Y, P, Bias, Arrivals, offs_m, offs_n, m_mask, n_mask, split_k, stride_ym, stride_pk,
-                        stride_pm, HAS_BIAS: tl.constexpr):
-    """After store_tile put this program's partial in P: the last of its column block's split_k programs to
-    arrive (a counter per block, Arrivals[program_id(0)]) adds the partials in split order, as sum_splits
-    does, plus the bias, into Y, and sets the counter back to 0 for the next launch."""
-    tl.debug_barrier()  # every thread's share of the partial is stored before the arrival counts
-    arrived = tl.atomic_add(Arrivals + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-    if arrived == split_k - 1:
-        mask = m_mask[:, None] & n_mask[None, :]
-        rows = offs_m[:, None] * stride_pm + offs_n[None, :]
-        acc = tl.load(P + rows, mask=mask, other=0.0, cache_modifier=".cg")  # L2: written by other SMs
-        for s in range(1, split_k):
-            acc += tl.load(P + s * stride_pk + rows, mask=mask, other=0.0, cache_modifier=".cg")
-        if HAS_BIAS:
-            acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(Arrivals + tl.program_id(0), 0)
-
-
-@triton_jit
 def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym,
                  stride_pk, stride_pm, split_k, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
                  FUSED_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PARTIAL: tl.constexpr, EXACT_ROUND: tl.constexpr, DEFER: tl.constexpr, QUANT_X: tl.constexpr,
-                 Arrivals, SUM_IN_KERNEL: tl.constexpr):
+                 PARTIAL: tl.constexpr, EXACT_ROUND: tl.constexpr, DEFER: tl.constexpr, QUANT_X: tl.constexpr):
     # One program: BLOCK_N weight rows x one split of K, for all M tokens at once, so each weight byte is
     # read once per step. No tensor cores: products in float32 registers, tl.sum over each strip. split_k
     # is not a constexpr, so a sweep over it compiles once.
@@ -233,9 +212,6 @@ def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, str
         acc += tl.sum(acc_k, 1)[None, :]
     store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_ym, stride_pk, stride_pm, HAS_BIAS,
                 PARTIAL)
-    if SUM_IN_KERNEL:
-        sum_split_in_kernel(Y, P, Bias, Arrivals, offs_m, offs_n, m_mask, n_mask, split_k, stride_ym, stride_pk,
-                            stride_pm, HAS_BIAS)
 
 
 @triton_jit
@@ -250,29 +226,6 @@ def _split_sum_kernel(P, Y, Bias, M, N, stride_pk, stride_pm, stride_ym, SPLIT_K
     if HAS_BIAS:
         acc += tl.load(Bias + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=mask)
-
-
-# Whether a GEMV split over K adds its partials in the kernel (sum_split_in_kernel: the last program of each
-# column block to finish) instead of in sum_splits' second launch, a few microseconds each under a CUDA graph
-# (Llama-3.1-8B's batch-1 step has 32 such launches with FP8 weights, 128 with int4). Off until measured.
-SPLITS_SUMMED_IN_KERNEL = False
-ARRIVAL_COUNTERS = 1 << 16
-_arrivals: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device, blocks: int, split_k: int) -> torch.Tensor | None:
-    """The device's int32 counters for sum_split_in_kernel (zero between launches: each launch's last programs
-    reset theirs), or None where there is nothing to sum (split_k 1) or the in-kernel sum is off or cannot
-    serve: more column blocks than counters, or no counters yet while a CUDA graph is captured (their
-    allocation would be recorded into the graph); then sum_splits adds a split launch's partials.
-    One set per device: kestrel issues its kernels on one stream, so no two launches share them at once."""
-    if split_k == 1 or not SPLITS_SUMMED_IN_KERNEL or blocks > ARRIVAL_COUNTERS:
-        return None
-    if device not in _arrivals:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _arrivals[device] = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
-    return _arrivals[device]
 
 
 @lru_cache(maxsize=None)
@@ -430,15 +383,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor |
         xq, x_s = x, x  # x_s unused: the kernel quantizes x itself, or the weight has no scales
     w_s = weight_scale_inv if scaled else weight  # unused without scales
     partial = y if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
-    arrivals = arrival_counters(x.device, triton.cdiv(n, cfg.block_n), cfg.split_k)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         xq, x_s, weight, w_s, y, partial, bias if bias is not None else y, m, n, k,
         xq.stride(0), x_s.stride(0), weight.stride(0), w_s.stride(0), y.stride(0),
         partial.stride(0), partial.stride(1) if cfg.split_k > 1 else 0, cfg.split_k,
         HAS_BIAS=bias is not None, SCALED=scaled, FUSED_QUANT=cfg.fused_quant, BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIAL=cfg.split_k > 1, EXACT_ROUND=envs.triton_interpret(),
-        DEFER=cfg.defer_reduce, QUANT_X=cfg.quantize_x, Arrivals=arrivals if arrivals is not None else y,
-        SUM_IN_KERNEL=arrivals is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.split_k > 1 and arrivals is None:
+        DEFER=cfg.defer_reduce, QUANT_X=cfg.quantize_x, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.split_k > 1:
         sum_splits(partial, y, bias, cfg.split_k)
     return y

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from kestrel import envs
 from kestrel.envs import triton_jit
-from kestrel.layers.fp8_gemm_triton import arrival_counters, sm_count, store_tile, sum_split_in_kernel, sum_splits
+from kestrel.layers.fp8_gemm_triton import sm_count, store_tile, sum_splits
 from kestrel.quant.int4 import PACK
 
 # The largest M the GEMV takes: past it each weight costs more float32 FMAs than CUDA cores issue at
@@ -138,7 +138,7 @@ def _word_tile(QW, offs_w, offs_n, n_mask, stride_qw, EVEN_N: tl.constexpr):
 def _w4a16_nibble_gemv_kernel(X, Perm, QW, Z, S, Y, P, Bias, N, K, stride_qw, stride_z, stride_s, stride_pk,
                               split_k, GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_N: tl.constexpr,
-                              PARTIAL: tl.constexpr, Arrivals, SUM_IN_KERNEL: tl.constexpr):
+                              PARTIAL: tl.constexpr):
     # y[n] = sum_k x[k] W[n, k] for one row of x. A tile: BLOCK_W words of each of BLOCK_N outputs (inputs
     # 8 BLOCK_W, inside one group). Pass j takes every word's nibble j with x at input 8 w + j: each thread's
     # products stay in its own registers, summed across threads once after the K loop.
@@ -165,9 +165,6 @@ def _w4a16_nibble_gemv_kernel(X, Perm, QW, Z, S, Y, P, Bias, N, K, stride_qw, st
     offs_m = tl.arange(0, 1)
     store_tile(tl.sum(acc, 0)[None, :], Y, P, Bias, offs_m, offs_n, offs_m < 1, n_mask, tl.program_id(1), 0,
                stride_pk, 0, HAS_BIAS, PARTIAL)
-    if SUM_IN_KERNEL:
-        sum_split_in_kernel(Y, P, Bias, Arrivals, offs_m, offs_n, offs_m < 1, n_mask, split_k, 0, stride_pk, 0,
-                            HAS_BIAS)
 
 
 @triton_jit
@@ -199,7 +196,7 @@ def _f32_pair(h2):
 def _w4a16_half2_gemv_kernel(X, Perm, QW, Z, S, Y, P, Bias, N, K, stride_qw, stride_z, stride_s, stride_pk,
                              split_k, GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_N: tl.constexpr,
-                             PARTIAL: tl.constexpr, Arrivals, SUM_IN_KERNEL: tl.constexpr):
+                             PARTIAL: tl.constexpr):
     # The nibble GEMV's tiles and passes, with two nibbles per pass (j and j + 4, the low and high halves of
     # one fp16x2). fp16 holds x after it is divided by its largest magnitude over this program's inputs, so
     # a pass's products (|code - zero| <= 15) and a tile's four-term sums stay far inside fp16's range; each
@@ -241,9 +238,6 @@ def _w4a16_half2_gemv_kernel(X, Perm, QW, Z, S, Y, P, Bias, N, K, stride_qw, str
     offs_m = tl.arange(0, 1)
     store_tile((tl.sum(acc, 0) * x_max)[None, :], Y, P, Bias, offs_m, offs_n, offs_m < 1, n_mask,
                tl.program_id(1), 0, stride_pk, 0, HAS_BIAS, PARTIAL)
-    if SUM_IN_KERNEL:
-        sum_split_in_kernel(Y, P, Bias, Arrivals, offs_m, offs_n, offs_m < 1, n_mask, split_k, 0, stride_pk, 0,
-                            HAS_BIAS)
 
 
 # Per M range: (block_m, block_n, block_k, tl.dot, programs to aim for per SM). From the config sweep at
@@ -322,15 +316,13 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
     partial = y if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
     if cfg.nibbles or cfg.half2:
         kernel = _w4a16_half2_gemv_kernel if cfg.half2 else _w4a16_nibble_gemv_kernel
-        arrivals = arrival_counters(x.device, triton.cdiv(n, cfg.block_n), cfg.split_k)
         kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
             x, perm if perm is not None else qweight, qweight, zeros, scales, y, partial,
             bias if bias is not None else y, n, k, qweight.stride(0), zeros.stride(0), scales.stride(0),
             partial.stride(0), cfg.split_k, GROUP=group_size, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
             BLOCK_N=cfg.block_n, BLOCK_W=bk // PACK, EVEN_N=n % cfg.block_n == 0, PARTIAL=cfg.split_k > 1,
-            Arrivals=arrivals if arrivals is not None else y, SUM_IN_KERNEL=arrivals is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        if cfg.split_k > 1 and arrivals is None:
+        if cfg.split_k > 1:
             sum_splits(partial, y, bias, cfg.split_k)
         return y
     block_m = cfg.block_m if cfg.dot else triton.next_power_of_2(m)

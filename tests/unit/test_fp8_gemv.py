@@ -121,25 +121,3 @@ def test_the_default_at_one_row_is_w8a16_and_takes_the_tuned_shapes_on_cuda(monk
     assert fp8_gemm_triton.default_gemv_config(1, 4096, 4096, cuda) == tuned
     assert fp8_gemm_triton.default_gemv_config(1, 4096, 4096, cpu) != tuned
     assert fp8_gemm_triton.default_gemv_config(2, 4096, 4096, cuda) != tuned
-
-
-@pytest.mark.parametrize("m, cfg, scaled", [(1, dict(block_n=16, block_k=128, split_k=3), True),
-                                            (3, dict(block_n=8, block_k=256, split_k=2), True),
-                                            (1, dict(block_n=32, block_k=64, split_k=4, defer_reduce=True), False)])
-def test_splits_summed_in_the_kernel_equal_the_second_launch(m, cfg, scaled, monkeypatch):
-    """SPLITS_SUMMED_IN_KERNEL: the last program of each column block adds the partials in split order, as
-    sum_splits does (so the results are equal to the bit), and leaves its counter at 0 for the next launch."""
-    x, w, w_scale, b = operands(m, 700, 130, torch.float32, True)
-    if not scaled:
-        w, w_scale = dequantize_blocks(w, w_scale), None
-    config = GemvConfig(**cfg)
-    want = gemv(x, w, w_scale, b, config)
-    monkeypatch.setattr(fp8_gemm_triton, "SPLITS_SUMMED_IN_KERNEL", True)
-    monkeypatch.setattr(fp8_gemm_triton, "_arrivals", {})
-    summed = []
-    monkeypatch.setattr(fp8_gemm_triton, "sum_splits", lambda *a: summed.append(a))  # must not be called
-    for _ in range(2):  # the second launch finds the counters the first one left
-        assert torch.equal(gemv(x, w, w_scale, b, config), want)
-    assert not summed
-    counters = fp8_gemm_triton._arrivals[x.device]
-    assert not counters.any()

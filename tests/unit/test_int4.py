@@ -130,23 +130,3 @@ def test_half2_is_cuda_only_and_the_default_keeps_the_cpu_off_it(monkeypatch):
     monkeypatch.setattr(g, "HALF2", True)
     cfg = g.default_config(1, 40, 256, torch.device("cpu"), case.group_size)
     assert cfg.nibbles and not cfg.half2
-
-
-@pytest.mark.parametrize("case", CASES[1:4], ids=str)
-def test_the_nibble_gemv_sums_its_splits_in_the_kernel_when_set(case, monkeypatch):
-    """fp8_gemm_triton.SPLITS_SUMMED_IN_KERNEL: the partials added by the last program of each column block, in
-    split order: equal to the bit to the second launch's sum; the counters left at 0."""
-    pytest.importorskip("triton")
-    from kestrel.layers import fp8_gemm_triton, int4_gemm_triton as g
-
-    w, _ = packed_weight(case, 40, 256, seed=4)
-    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(6))
-    cfg = g.Int4GemmConfig(1, 16, min(32, case.group_size), split_k=4, dot=False, nibbles=True)
-    bias = torch.randn(40)
-    want = g.int4_gemm(x, w.qweight, w.zeros, w.scales, w.perm, w.group_size, bias, cfg)
-    monkeypatch.setattr(fp8_gemm_triton, "SPLITS_SUMMED_IN_KERNEL", True)
-    monkeypatch.setattr(fp8_gemm_triton, "_arrivals", {})
-    monkeypatch.setattr(g, "sum_splits", lambda *a: pytest.fail("the second launch ran"))
-    for _ in range(2):
-        assert torch.equal(g.int4_gemm(x, w.qweight, w.zeros, w.scales, w.perm, w.group_size, bias, cfg), want)
-    assert not fp8_gemm_triton._arrivals[x.device].any()
