@@ -138,6 +138,8 @@ class Engine:
         """Validate and queue one request; returns its id. Raises ValueError on bad input. `sampling_params`:
         a SamplingParams, or SGLang's dict of its fields. `lora_name`: a loaded LoRA adapter to run with
         (LoRANotFoundError, a ValueError, when there is none)."""
+        if self.loop is None:
+            raise RuntimeError("this engine is shut down (it has let go of its model and KV pool): start a new one")
         if isinstance(sampling_params, dict):
             sampling_params = SamplingParams.from_dict(sampling_params)
         params = sampling_params or SamplingParams()

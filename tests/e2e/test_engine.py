@@ -467,3 +467,5 @@ def test_shutdown_frees_the_model_and_the_kv_pool_while_the_engine_is_still_refe
     assert engine is not None  # still bound
     assert not [r for r in refs if r() is not None], "a shut-down engine still holds its KV pool or weights"
     engine.shutdown()  # a second shutdown is harmless
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.generate(prompt_token_ids=[[5, 6]], sampling_params=GREEDY)
