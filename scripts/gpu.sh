@@ -80,6 +80,11 @@
 #                   (OUT/moe_profile_bs1.txt). < 5 min
 #   int4-m1         the W4A16 GEMM's GEMVs at M = 1 (the nibble GEMV and the other; < 3 min), then llama-3.1-8b-awq
 #                   one-batch at batch 1 without and with the nibble GEMV as default_config's (NIBBLE_TILE). < 7 min
+#   pdl             programmatic dependent launch (kestrel/pdl.py): the GPU tests of the kernels taking part, then
+#                   batch 1 (graphs up to 1) of PDL_MODELS (default "bf16 fp8 awq": the 8B in bf16, with --quantization
+#                   fp8, llama-3.1-8b-awq) with PDL off, on, and on with the GEMV's weight prefetch
+#                   (pdl.PREFETCH_WEIGHTS), one process each. ~80 s a process
+#   pdl-moe         the same for Qwen3-30B-A3B and gpt-oss-20b at batch 1 (MOE_MODELS as `moe`). < 7 min
 #   int4            llama-3.1-8b-awq one-batch at batch 1 and 64 against its 4-bit floor, the bf16 8B beside it
 #                   (the ratio from one machine), and the W4A16 GEMM's config sweep at the 8B's projection shapes,
 #                   M = 1, 4, 16, 64 (kestrel.bench.kernels.int4_gemm). < 9 min
@@ -530,6 +535,31 @@ sys.argv[0] = 'decode_attention'; runpy.run_module('kestrel.bench.kernels.decode
         echo "== llama-3.1-8b-awq one-batch at batch 1, NIBBLE_TILE = $tile"
         one_batch_set 100 "import kestrel.layers.int4_gemm_triton as g; g.NIBBLE_TILE = $tile" \
           "int4_bs1_nibbles_$([ "$tile" = None ] && echo off || echo on)" $AWQ_BS1
+      done ;;
+    pdl)
+      timeout "${PDL_TESTS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pdl_gpu.py \
+        tests/gpu/test_cuda_graph.py tests/gpu/test_one_row_gemv_gpu.py tests/gpu/test_fp8_gpu.py \
+        tests/gpu/test_int4_gpu.py 2>&1 | tail -3
+      for model in ${PDL_MODELS:-bf16 fp8 awq}; do
+        case $model in
+          bf16) flags="$LLAMA --batch-size 1 --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 1" ;;
+          fp8) flags="$LLAMA --batch-size 1 --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 1 --quantization fp8" ;;
+          awq) flags=$AWQ_BS1 ;;
+        esac
+        for variant in off on prefetch; do  # module constants: set in the process before the model runs
+          echo "== $model at batch 1, PDL $variant"
+          one_batch_set 100 "import kestrel.pdl as p; p.ENABLED = '$variant' != 'off'; \
+p.PREFETCH_WEIGHTS = '$variant' == 'prefetch'" "pdl_${model}_bs1_$variant" $flags
+        done
+      done ;;
+    pdl-moe)
+      for model in ${MOE_MODELS:-qwen3-30b-a3b gpt-oss-20b}; do
+        for on in False True; do
+          echo "== $model at batch 1, pdl.ENABLED = $on"
+          one_batch_set 110 "import kestrel.pdl as p; p.ENABLED = $on" "pdl_${model}_bs1_$on" \
+            --model "kestrel/assets/configs/$model" --load-format dummy --max-total-tokens 65536 --batch-size 1 \
+            --input-len 128 --output-len 128 --cuda-graph-max-bs 1
+        done
       done ;;
     *)
       echo "gpu.sh: unknown stage '$1' (the list is at the top of scripts/gpu.sh)" >&2

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel import envs
+from kestrel import envs, pdl
 from kestrel.envs import triton_jit
 from kestrel.quant.fp8 import BLOCK
 from kestrel.quant.fp8_triton import to_fp8
@@ -89,7 +89,9 @@ def _quant_tile(x, EXACT_ROUND: tl.constexpr):
 
 
 @triton_jit
-def _quant_kernel(X, Q, S, M, K, stride_xm, stride_qm, stride_sm, BLOCK_R: tl.constexpr, EXACT_ROUND: tl.constexpr):
+def _quant_kernel(X, Q, S, M, K, stride_xm, stride_qm, stride_sm, BLOCK_R: tl.constexpr, EXACT_ROUND: tl.constexpr,
+                  PDL: tl.constexpr):
+    pdl.sync(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     kb = tl.program_id(1)
     offs_k = kb * 128 + tl.arange(0, 128)
@@ -104,7 +106,8 @@ def _quant_kernel(X, Q, S, M, K, stride_xm, stride_qm, stride_sm, BLOCK_R: tl.co
 def _gemm_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym,
                  stride_pk, stride_pm, HAS_BIAS: tl.constexpr, FUSED_QUANT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
-                 EXACT_ROUND: tl.constexpr):
+                 EXACT_ROUND: tl.constexpr, PDL: tl.constexpr):
+    pdl.sync(PDL)
     # Tiles in groups of GROUP_M rows of tiles, so the programs running together share W tiles in L2.
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -165,7 +168,8 @@ def store_tile(acc, Y, P, Bias, offs_m, offs_n, m_mask, n_mask, split, stride_ym
 def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym,
                  stride_pk, stride_pm, split_k, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
                  FUSED_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PARTIAL: tl.constexpr, EXACT_ROUND: tl.constexpr, DEFER: tl.constexpr, QUANT_X: tl.constexpr):
+                 PARTIAL: tl.constexpr, EXACT_ROUND: tl.constexpr, DEFER: tl.constexpr, QUANT_X: tl.constexpr,
+                 PDL: tl.constexpr, PREFETCH_LINE: tl.constexpr):
     # One program: BLOCK_N weight rows x one split of K, for all M tokens at once, so each weight byte is
     # read once per step. No tensor cores: products in float32 registers, tl.sum over each strip. split_k
     # is not a constexpr, so a sweep over it compiles once.
@@ -179,6 +183,9 @@ def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, str
     per_split = tl.cdiv(strips, split_k)
     lo = split * per_split
     hi = tl.minimum(lo + per_split, strips)
+    if PREFETCH_LINE:  # the weights do not depend on the kernel before: fetch the first strip before the wait
+        pdl.prefetch_strip(W, tl.minimum(offs_n, N - 1), stride_wn, lo * BLOCK_K, K, BLOCK_K, PREFETCH_LINE)
+    pdl.sync(PDL)
     w_scale_row = W_s + (pid_n * BLOCK_N // 128) * stride_wsn  # BLOCK_N divides 128: one scale row per program
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -216,7 +223,8 @@ def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, str
 
 @triton_jit
 def _split_sum_kernel(P, Y, Bias, M, N, stride_pk, stride_pm, stride_ym, SPLIT_K: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.sync(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -305,7 +313,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         block_r = 16
         _quant_kernel[(triton.cdiv(m, block_r), triton.cdiv(k, BLOCK))](
-            x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), BLOCK_R=block_r, EXACT_ROUND=envs.triton_interpret())
+            x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), BLOCK_R=block_r, EXACT_ROUND=envs.triton_interpret(),
+            **pdl.launch_options(x.device))
     return q, s
 
 
@@ -338,7 +347,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
         partial.stride(0), partial.stride(1) if cfg.split_k > 1 else 0,
         HAS_BIAS=bias is not None, FUSED_QUANT=cfg.fused_quant, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         SPLIT_K=cfg.split_k, GROUP_M=8, UPCAST=interpret, EXACT_ROUND=interpret,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device))
     if cfg.split_k > 1:
         sum_splits(partial, y, bias, cfg.split_k)
     return y
@@ -350,7 +359,7 @@ def sum_splits(partial: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None
     block = min(1024, triton.next_power_of_2(n))
     _split_sum_kernel[(m, triton.cdiv(n, block))](
         partial, y, bias if bias is not None else y, m, n, partial.stride(0), partial.stride(1), y.stride(0),
-        SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block)
+        SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, **pdl.launch_options(y.device))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor | None = None,
@@ -389,7 +398,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor |
         partial.stride(0), partial.stride(1) if cfg.split_k > 1 else 0, cfg.split_k,
         HAS_BIAS=bias is not None, SCALED=scaled, FUSED_QUANT=cfg.fused_quant, BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIAL=cfg.split_k > 1, EXACT_ROUND=envs.triton_interpret(),
-        DEFER=cfg.defer_reduce, QUANT_X=cfg.quantize_x, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DEFER=cfg.defer_reduce, QUANT_X=cfg.quantize_x, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PREFETCH_LINE=pdl.prefetch_line(weight), **pdl.launch_options(x.device))
     if cfg.split_k > 1:
         sum_splits(partial, y, bias, cfg.split_k)
     return y

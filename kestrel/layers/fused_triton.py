@@ -9,12 +9,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel import pdl
 from kestrel.envs import triton_jit
 
 
 @triton_jit
 def _add_rmsnorm_kernel(X, R, W, OUT, stride_x, stride_r, stride_o, hidden, eps,
-                        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.sync(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -36,12 +38,15 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     if rows:
         _add_rmsnorm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, x.stride(0),
                                      residual.stride(0) if residual is not None else 0, out.stride(0), hidden, eps,
-                                     HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden))
+                                     HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden),
+                                     **pdl.launch_options(x.device))
     return out
 
 
 @triton_jit
-def _head_rmsnorm_kernel(X, WQ, WK, OUT, stride_x, stride_o, q_heads, head_dim, eps, BLOCK: tl.constexpr):
+def _head_rmsnorm_kernel(X, WQ, WK, OUT, stride_x, stride_o, q_heads, head_dim, eps, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl.sync(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -69,12 +74,14 @@ def head_rmsnorm(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor
     if rows:
         _head_rmsnorm_kernel[(rows, width // head_dim)](x, q_weight, k_weight, out, x.stride(0), out.stride(0),
                                                         q_heads, head_dim, eps,
-                                                        BLOCK=triton.next_power_of_2(head_dim))
+                                                        BLOCK=triton.next_power_of_2(head_dim),
+                                                        **pdl.launch_options(x.device))
     return out
 
 
 @triton_jit
-def _silu_and_mul_kernel(X, OUT, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, OUT, stride_x, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.sync(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -92,5 +99,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
     if rows:
         block = 1024
-        _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter, BLOCK=block)
+        _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter, BLOCK=block,
+                                                                   **pdl.launch_options(x.device))
     return out

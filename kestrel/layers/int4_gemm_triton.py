@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel import envs
+from kestrel import envs, pdl
 from kestrel.envs import triton_jit
 from kestrel.layers.fp8_gemm_triton import sm_count, store_tile, sum_splits
 from kestrel.quant.int4 import PACK
@@ -67,7 +67,8 @@ def _w4a16_kernel(X, Perm, QW, Z, S, Y, P, Bias, M, N, K, stride_xm, stride_qw, 
                   stride_pk, stride_pm, split_k, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr,
                   ROWS_PER_SCALE: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-                  DOT: tl.constexpr, IEEE: tl.constexpr):
+                  DOT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    pdl.sync(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -138,10 +139,11 @@ def _word_tile(QW, offs_w, offs_n, n_mask, stride_qw, EVEN_N: tl.constexpr):
 def _w4a16_nibble_gemv_kernel(X, Perm, QW, Z, S, Y, P, Bias, N, K, stride_qw, stride_z, stride_s, stride_pk,
                               split_k, GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_N: tl.constexpr,
-                              PARTIAL: tl.constexpr):
+                              PARTIAL: tl.constexpr, PDL: tl.constexpr):
     # y[n] = sum_k x[k] W[n, k] for one row of x. A tile: BLOCK_W words of each of BLOCK_N outputs (inputs
     # 8 BLOCK_W, inside one group). Pass j takes every word's nibble j with x at input 8 w + j: each thread's
     # products stay in its own registers, summed across threads once after the K loop.
+    pdl.sync(PDL)
     offs_n, n_mask, lo, hi = _one_row_split(K, N, split_k, BLOCK_N, BLOCK_W)
     rows = tl.arange(0, BLOCK_W)
     acc = tl.zeros([BLOCK_W, BLOCK_N], tl.float32)
@@ -196,11 +198,12 @@ def _f32_pair(h2):
 def _w4a16_half2_gemv_kernel(X, Perm, QW, Z, S, Y, P, Bias, N, K, stride_qw, stride_z, stride_s, stride_pk,
                              split_k, GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_N: tl.constexpr,
-                             PARTIAL: tl.constexpr):
+                             PARTIAL: tl.constexpr, PDL: tl.constexpr):
     # The nibble GEMV's tiles and passes, with two nibbles per pass (j and j + 4, the low and high halves of
     # one fp16x2). fp16 holds x after it is divided by its largest magnitude over this program's inputs, so
     # a pass's products (|code - zero| <= 15) and a tile's four-term sums stay far inside fp16's range; each
     # tile's sums leave fp16 for float32 with the group's scale, and the program's total is multiplied back.
+    pdl.sync(PDL)
     offs_n, n_mask, lo, hi = _one_row_split(K, N, split_k, BLOCK_N, BLOCK_W)
     inputs = tl.arange(0, 8 * BLOCK_W)
     big = tl.zeros([8 * BLOCK_W], tl.float32)
@@ -321,7 +324,7 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
             bias if bias is not None else y, n, k, qweight.stride(0), zeros.stride(0), scales.stride(0),
             partial.stride(0), cfg.split_k, GROUP=group_size, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
             BLOCK_N=cfg.block_n, BLOCK_W=bk // PACK, EVEN_N=n % cfg.block_n == 0, PARTIAL=cfg.split_k > 1,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device))
         if cfg.split_k > 1:
             sum_splits(partial, y, bias, cfg.split_k)
         return y
@@ -334,7 +337,7 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
         cfg.split_k, GROUP=group_size, SCALE_ROWS=max(1, bk // group_size), ROWS_PER_SCALE=min(bk, group_size),
         HAS_PERM=perm is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=bk, PARTIAL=cfg.split_k > 1, DOT=cfg.dot, IEEE=x.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device))
     if cfg.split_k > 1:
         sum_splits(partial, y, bias, cfg.split_k)
     return y

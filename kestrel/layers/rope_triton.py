@@ -5,12 +5,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel import pdl
 from kestrel.envs import triton_jit
 
 
 @triton_jit
 def _rope_kernel(X, OUT, positions, cos_sin, stride_xt, stride_ot, stride_c, num_heads,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+    pdl.sync(PDL)
     t = tl.program_id(0)
     pos = tl.load(positions + t)
     offs_h = tl.arange(0, BLOCK_H)
@@ -37,5 +39,5 @@ def rope_triton(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.T
     if tokens:
         _rope_kernel[(tokens,)](x, out, positions, cos_sin_cache, x.stride(0), out.stride(0), cos_sin_cache.stride(0),
                                 heads, HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(heads),
-                                BLOCK_HALF=triton.next_power_of_2(head_dim // 2))
+                                BLOCK_HALF=triton.next_power_of_2(head_dim // 2), **pdl.launch_options(x.device))
     return out

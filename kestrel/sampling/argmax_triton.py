@@ -10,11 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel import pdl
 from kestrel.envs import triton_jit
 
 
 @triton_jit
-def _chunk_argmax_kernel(X, values, indices, vocab, stride_x, num_chunks, BLOCK: tl.constexpr):
+def _chunk_argmax_kernel(X, values, indices, vocab, stride_x, num_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.sync(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -24,7 +26,8 @@ def _chunk_argmax_kernel(X, values, indices, vocab, stride_x, num_chunks, BLOCK:
 
 
 @triton_jit
-def _best_chunk_kernel(values, indices, OUT, num_chunks, BLOCK_C: tl.constexpr):
+def _best_chunk_kernel(values, indices, OUT, num_chunks, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    pdl.sync(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)
     v = tl.load(values + row * num_chunks + offs, mask=offs < num_chunks, other=float("-inf"))
@@ -40,6 +43,8 @@ def argmax_rows(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
     indices = torch.empty((rows, chunks), dtype=torch.int64, device=x.device)
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows:
-        _chunk_argmax_kernel[(rows, chunks)](x, values, indices, vocab, x.stride(0), chunks, BLOCK=block)
-        _best_chunk_kernel[(rows,)](values, indices, out, chunks, BLOCK_C=max(2, triton.next_power_of_2(chunks)))
+        _chunk_argmax_kernel[(rows, chunks)](x, values, indices, vocab, x.stride(0), chunks, BLOCK=block,
+                                             **pdl.launch_options(x.device))
+        _best_chunk_kernel[(rows,)](values, indices, out, chunks, BLOCK_C=max(2, triton.next_power_of_2(chunks)),
+                                          **pdl.launch_options(x.device))
     return out

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kestrel.attention.triton.common import attend_block, sink_denominator
+from kestrel import pdl
 from kestrel.envs import triton_jit
 from kestrel.quant.fp8 import is_fp8
 from kestrel.quant.fp8_triton import fp8_store_args, to_storage
@@ -45,8 +46,9 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     DIRECT: tl.constexpr, PER_REQUEST_CHUNK: tl.constexpr, FP8_MAX: tl.constexpr, EXACT_ROUND: tl.constexpr,
-    HAS_SINKS: tl.constexpr, RING: tl.constexpr, FP16_DOTS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, RING: tl.constexpr, FP16_DOTS: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -114,8 +116,9 @@ def _decode_partial_kernel(
 def _decode_merge_kernel(
     mid_o, mid_lse, O, split_counts, Sinks, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ot,
     stride_oh, num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    PER_TOKEN_COUNT: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PER_TOKEN_COUNT: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -227,6 +230,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct, PER_REQUEST_CHUNK=per_request,
         **fp8_store_args(k_buf.dtype), HAS_SINKS=sinks is not None, RING=ring,
         FP16_DOTS=FP8_POOL_FP16_DOTS and is_fp8(k_buf.dtype) and not upcast, num_warps=num_warps, num_stages=num_stages,
+        **pdl.launch_options(q.device),
     )
     if not direct:
         merge_splits(mid_o, mid_lse, out, num_splits, counts if per_request else None, sinks)
@@ -246,4 +250,5 @@ def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, 
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), out.stride(0),
         out.stride(1), num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)), PER_TOKEN_COUNT=per_token, HAS_SINKS=sinks is not None,
+        **pdl.launch_options(out.device),
     )

@@ -5,13 +5,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel import pdl
 from kestrel.envs import triton_jit
 from kestrel.quant.fp8_triton import fp8_store_args, to_storage
 
 
 @triton_jit
 def _store_kv_kernel(K, V, K_buf, V_buf, slots, stride_k, stride_v, stride_kb, stride_vb, width, k_scale, v_scale,
-                     BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, EXACT_ROUND: tl.constexpr):
+                     BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, EXACT_ROUND: tl.constexpr, PDL: tl.constexpr):
+    pdl.sync(PDL)
     t = tl.program_id(0)
     slot = tl.load(slots + t)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -33,4 +35,4 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch
         block = min(1024, triton.next_power_of_2(width))
         _store_kv_kernel[(tokens, triton.cdiv(width, block))](
             k, v, k_buf, v_buf, slots, k.stride(0), v.stride(0), k_buf.stride(0), v_buf.stride(0), width,
-            k_scale, v_scale, BLOCK=block, **fp8_store_args(k_buf.dtype))
+            k_scale, v_scale, BLOCK=block, **fp8_store_args(k_buf.dtype), **pdl.launch_options(k.device))

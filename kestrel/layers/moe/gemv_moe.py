@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel import pdl
 from kestrel.envs import triton_jit
 from kestrel.layers.moe.config import ACTIVATIONS, ExpertActivation
 from kestrel.layers.moe.fused_moe import expert_shapes, gated_activation
@@ -58,7 +59,9 @@ DOWN_CONFIG: GemvConfig | None = GemvConfig(block_n=8, block_k=1024, num_warps=4
 @triton_jit
 def _up_kernel(X, Ids, W13, B13, Act, first, count, top_k, d, inter, limit, alpha,
                stride_xt, stride_we, stride_wn, stride_wk, stride_be, stride_am,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+               PDL: tl.constexpr):
+    pdl.sync(PDL)
     assignment = tl.program_id(0)
     expert = tl.load(Ids + assignment).to(tl.int64) - first
     if (expert < 0) | (expert >= count):  # another rank's expert
@@ -90,7 +93,8 @@ def _up_kernel(X, Ids, W13, B13, Act, first, count, top_k, d, inter, limit, alph
 @triton_jit
 def _down_kernel(Act, Ids, W2, B2, Weights, Out, first, count, d, inter,
                  stride_am, stride_we, stride_wn, stride_wk, stride_be, stride_om,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    pdl.sync(PDL)
     assignment = tl.program_id(0)
     expert = tl.load(Ids + assignment).to(tl.int64) - first
     if (expert < 0) | (expert >= count):  # another rank's expert: its output row stays 0
@@ -148,16 +152,19 @@ def gemv_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
         x, flat_ids, w13, b13_arg, act, first, count, ids.shape[1], d, inter, float(activation.limit),
         float(activation.alpha), x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), b13_arg.stride(0),
         act.stride(0), ACT=ACTIVATIONS.index(activation.kind), HAS_BIAS=b13 is not None, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **pdl.launch_options(x.device))
     _down_kernel[(n, triton.cdiv(d, down.block_n))](
         act, flat_ids, w2, b2_arg, flat_weights, rows, first, count, d, inter,
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), b2_arg.stride(0), rows.stride(0),
-        HAS_BIAS=b2 is not None, BLOCK_N=down.block_n, BLOCK_K=down.block_k, num_warps=down.num_warps)
+        HAS_BIAS=b2 is not None, BLOCK_N=down.block_n, BLOCK_K=down.block_k, num_warps=down.num_warps,
+        **pdl.launch_options(x.device))
 
 
 @triton_jit
 def _combine_kernel(Rows, Ids, Shared, Gate, Out, first, count, d, stride_rm, stride_st, stride_gt, stride_ot,
-                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr):
+                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl.sync(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < d
@@ -192,4 +199,4 @@ def combine_rows(rows: torch.Tensor, ids: torch.Tensor, first: int, count: int, 
     _combine_kernel[(T, triton.cdiv(d, block_n))](
         rows, ids, shared_arg, gate_arg, out, first, count, d, rows.stride(0), shared_arg.stride(0),
         gate_arg.stride(0), out.stride(0), TOP_K=ids.shape[1], BLOCK_N=block_n, HAS_SHARED=shared is not None,
-        HAS_GATE=shared_gate is not None, num_warps=4)
+        HAS_GATE=shared_gate is not None, num_warps=4, **pdl.launch_options(out.device))

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel import pdl
 from kestrel.envs import triton_jit
 from kestrel.layers.moe.config import RouterConfig
 
@@ -44,7 +45,8 @@ def supports(cfg: RouterConfig) -> bool:
 
 @triton_jit
 def _logits_kernel(X, W, B, Logits, hidden, experts, stride_xt, stride_we, stride_lt,
-                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    pdl.sync(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = offs_e < experts
@@ -64,7 +66,8 @@ def _logits_kernel(X, W, B, Logits, hidden, experts, stride_xt, stride_we, strid
 @triton_jit
 def _select_kernel(Logits, Ids, Weights, experts, stride_lt,
                    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
-                   RENORMALIZE: tl.constexpr):
+                   RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    pdl.sync(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     e_ok = offs < experts
@@ -112,8 +115,9 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg:
     _logits_kernel[(T, triton.cdiv(experts, launch.block_e))](
         x, weight, bias if bias is not None else weight, logits, hidden, experts, x.stride(0), weight.stride(0),
         logits.stride(0), BLOCK_E=launch.block_e, BLOCK_K=launch.block_k, HAS_BIAS=bias is not None,
-        num_warps=launch.num_warps)
+        num_warps=launch.num_warps, **pdl.launch_options(x.device))
     _select_kernel[(T,)](
         logits, ids, weights, experts, logits.stride(0), TOP_K=k, BLOCK_E=triton.next_power_of_2(experts),
-        SOFTMAX_FIRST=cfg.kind == "softmax_topk", RENORMALIZE=cfg.renormalize, num_warps=1)
+        SOFTMAX_FIRST=cfg.kind == "softmax_topk", RENORMALIZE=cfg.renormalize, num_warps=1,
+        **pdl.launch_options(x.device))
     return ids, weights
