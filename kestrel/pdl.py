@@ -63,17 +63,17 @@ def sync(PDL: tl.constexpr):
 PREFETCH_WEIGHTS = False
 
 
-def prefetch_line(weight: torch.Tensor) -> int:
-    """The PREFETCH_LINE constexpr of a GEMV over `weight`: its elements per 128-byte line where the prefetch
-    is on, else 0 (off)."""
-    return 128 // weight.element_size() if PREFETCH_WEIGHTS and on(weight.device) else 0
+def prefetch_line(weight: torch.Tensor, width: int) -> int:
+    """The PREFETCH_LINE constexpr of a GEMV over `weight` whose strips are `width` elements wide: the
+    elements of a 128-byte line (at most `width`) where the prefetch is on, else 0 (off)."""
+    return min(128 // weight.element_size(), width) if PREFETCH_WEIGHTS and on(weight.device) else 0
 
 
 @triton_jit
-def prefetch_strip(W, rows, stride_row, k0, K, WIDTH: tl.constexpr, LINE: tl.constexpr):
-    """Prefetch W[rows, k0 : k0 + WIDTH] into L2, one `prefetch.global.L2` per 128-byte line (CUDA only)."""
-    cols = k0 + tl.arange(0, WIDTH // LINE) * LINE
-    cols = tl.minimum(cols, K - 1)
-    ptrs = W + rows[:, None].to(tl.int64) * stride_row + cols[None, :]
+def prefetch_strip(W, rows, stride_row, col0, cols, WIDTH: tl.constexpr, LINE: tl.constexpr):
+    """Prefetch W[rows, col0 : col0 + WIDTH] (columns past `cols` left out) into L2, one `prefetch.global.L2`
+    per line of LINE elements (128 bytes; CUDA only). `rows` must lie inside W."""
+    offs = tl.minimum(col0 + tl.arange(0, WIDTH // LINE) * LINE, cols - 1)
+    ptrs = W + rows[:, None].to(tl.int64) * stride_row + offs[None, :]
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)

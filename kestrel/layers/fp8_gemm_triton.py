@@ -399,7 +399,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor |
         HAS_BIAS=bias is not None, SCALED=scaled, FUSED_QUANT=cfg.fused_quant, BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIAL=cfg.split_k > 1, EXACT_ROUND=envs.triton_interpret(),
         DEFER=cfg.defer_reduce, QUANT_X=cfg.quantize_x, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        PREFETCH_LINE=pdl.prefetch_line(weight), **pdl.launch_options(x.device))
+        PREFETCH_LINE=pdl.prefetch_line(weight, cfg.block_k), **pdl.launch_options(x.device))
     if cfg.split_k > 1:
         sum_splits(partial, y, bias, cfg.split_k)
     return y

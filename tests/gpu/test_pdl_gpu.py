@@ -63,3 +63,22 @@ def test_a_graphed_pdl_chain_equals_the_plain_one(monkeypatch, prefetch):
         assert torch.equal(out, want_out)
         assert torch.equal(best, want_best)
         assert torch.equal(res_in, want_res)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_the_int4_one_row_gemv_with_pdl_equals_it_without(monkeypatch, prefetch):
+    from kestrel.layers.int4_gemm_triton import default_config, int4_gemm
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    k, n, group = 4096, 6144, 128
+    qweight = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=gen, device="cuda", dtype=torch.int32)
+    zeros = torch.randint(0, 16, (k // group, n), generator=gen, device="cuda", dtype=torch.uint8)
+    scales = torch.rand(k // group, n, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.01
+    x = torch.randn(1, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+    cfg = default_config(1, n, k, x.device, group)
+    assert cfg.half2
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    want = int4_gemm(x, qweight, zeros, scales, None, group, config=cfg)
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    monkeypatch.setattr(pdl, "PREFETCH_WEIGHTS", prefetch)
+    assert torch.equal(int4_gemm(x, qweight, zeros, scales, None, group, config=cfg), want)
