@@ -14,7 +14,8 @@ from kestrel.sampling.argmax_triton import argmax_rows
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def test_pdl_is_on_from_hopper_on():
+def test_pdl_is_on_from_hopper_on(monkeypatch):
+    monkeypatch.setattr(pdl, "ENABLED", True)
     cuda = torch.device("cuda")
     assert pdl.on(cuda) == (torch.cuda.get_device_capability()[0] >= 9)
 

@@ -14,6 +14,7 @@ def test_off_on_the_cpu():
 def test_enabled_false_turns_it_off_everywhere(monkeypatch):
     monkeypatch.setattr(pdl, "_supported", lambda index: True)
     monkeypatch.setattr(pdl.envs, "triton_interpret", lambda: False)
+    monkeypatch.setattr(pdl, "ENABLED", True)
     assert pdl.launch_options(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
     monkeypatch.setattr(pdl, "ENABLED", False)
     assert pdl.launch_options(torch.device("cuda", 0)) == {"PDL": False}
