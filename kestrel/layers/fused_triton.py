@@ -80,6 +80,50 @@ def head_rmsnorm(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor
 
 
 @triton_jit
+def _head_rmsnorm_rope_kernel(X, WQ, WK, OUT, positions, cos_sin, stride_x, stride_o, stride_c, q_heads, eps,
+                              HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+    # A head as its two rope halves: normed as _head_rmsnorm_kernel does, then rotated as rope_triton does,
+    # rounding to the activation dtype at the same two places.
+    pdl.sync(PDL)
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = offs < HALF
+    src = X + row * stride_x + head * (2 * HALF) + offs
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
+    w = tl.where(head < q_heads, WQ, WK)
+    w1 = tl.load(w + offs, mask=mask, other=0.0).to(tl.float32)
+    w2 = tl.load(w + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    dt = OUT.dtype.element_ty
+    n1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+    n2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    pos = tl.load(positions + row)
+    cos = tl.load(cos_sin + pos * stride_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
+    sin = tl.load(cos_sin + pos * stride_c + HALF + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
+    dst = OUT + row * stride_o + head * (2 * HALF) + offs
+    tl.store(dst, (n1 * cos - n2 * sin).to(dt), mask=mask)
+    tl.store(dst + HALF, (n2 * cos + n1 * sin).to(dt), mask=mask)
+
+
+def head_rmsnorm_rope(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, q_heads: int, eps: float,
+                      positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """`head_rmsnorm`, then rope_triton's rotation (neox style over the whole head; cos_sin_cache float32
+    [max_pos, D], cos | sin) at `positions` [T], in one launch instead of two: Qwen3's q and k before
+    attention."""
+    rows, width = x.shape
+    head_dim = q_weight.numel()
+    out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    if rows:
+        _head_rmsnorm_rope_kernel[(rows, width // head_dim)](
+            x, q_weight, k_weight, out, positions, cos_sin_cache, x.stride(0), out.stride(0), cos_sin_cache.stride(0),
+            q_heads, eps, HALF=head_dim // 2, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+            **pdl.launch_options(x.device))
+    return out
+
+
+@triton_jit
 def _silu_and_mul_kernel(X, OUT, stride_x, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.sync(PDL)
     row = tl.program_id(0)
