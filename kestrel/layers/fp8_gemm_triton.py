@@ -169,7 +169,7 @@ def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, str
                  stride_pk, stride_pm, split_k, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
                  FUSED_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PARTIAL: tl.constexpr, EXACT_ROUND: tl.constexpr, DEFER: tl.constexpr, QUANT_X: tl.constexpr,
-                 PDL: tl.constexpr, PREFETCH_LINE: tl.constexpr):
+                 PDL: tl.constexpr, PREFETCH_LINE: tl.constexpr, GATED: tl.constexpr):
     # One program: BLOCK_N weight rows x one split of K, for all M tokens at once, so each weight byte is
     # read once per step. No tensor cores: products in float32 registers, tl.sum over each strip. split_k
     # is not a constexpr, so a sweep over it compiles once.
@@ -195,7 +195,13 @@ def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, str
         offs_k = strip * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x_mask = m_mask[:, None] & k_mask[None, :]
-        x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+        if GATED:  # X holds gate | up, K wide each: x = silu(gate) * up, rounded where silu_and_mul rounds
+            gate = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty)
+            x = (act * tl.load(x_ptrs + K, mask=x_mask, other=0.0)).to(X.dtype.element_ty).to(tl.float32)
+        else:
+            x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
         if SCALED:
             # Both scales go onto the activation, which is BLOCK_N times smaller than the weight strip:
             # x_k * x_scale(group) * w_scale(group), then one product per weight.
@@ -363,12 +369,15 @@ def sum_splits(partial: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor | None = None,
-         bias: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+         bias: torch.Tensor | None = None, config: GemvConfig | None = None, gated: bool = False) -> torch.Tensor:
     """x [M, K] (float, M <= GEMV_LIMIT_M) @ weight [N, K]^T (+ bias) -> [M, N] in x's dtype, on CUDA cores.
     weight float8_e4m3fn with its 128 x 128 block scales: fp8_gemm's numerics (activations quantized per
-    token and 128 inputs). weight_scale_inv None: a float weight taken as it is (bf16 decode; measured by
-    kestrel/bench/kernels/fp8.py, not used by the models)."""
+    token and 128 inputs). weight_scale_inv None: a float weight taken as it is (bf16 / fp16 decode:
+    kestrel/layers/one_row_gemv.py). `gated`: x is [M, 2K], a gated MLP's gate | up, and
+    the GEMV multiplies silu(gate) * up (`silu_and_mul`'s values, bit for bit) without a launch of its own."""
     m, k = x.shape
+    if gated:
+        k //= 2
     n = weight.shape[0]
     scaled = weight_scale_inv is not None
     if m > GEMV_LIMIT_M:
@@ -383,6 +392,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor |
                          f"(whole scale blocks per program and strip), got {cfg.block_n} and {cfg.block_k}")
     if cfg.defer_reduce and m != 1:
         raise ValueError(f"defer_reduce is a GEMV option at one row of x (got {m})")
+    if gated and (x.shape[1] != 2 * weight.shape[1] or (scaled and cfg.quantize_x and not cfg.fused_quant)):
+        raise ValueError(f"a gated GEMV takes x of twice the weight's {weight.shape[1]} inputs (got {x.shape[1]}) "
+                         "and quantizes activations, if at all, in the kernel (fused_quant)")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -399,7 +411,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor |
         HAS_BIAS=bias is not None, SCALED=scaled, FUSED_QUANT=cfg.fused_quant, BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIAL=cfg.split_k > 1, EXACT_ROUND=envs.triton_interpret(),
         DEFER=cfg.defer_reduce, QUANT_X=cfg.quantize_x, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        PREFETCH_LINE=pdl.prefetch_line(weight, cfg.block_k), **pdl.launch_options(x.device))
+        PREFETCH_LINE=pdl.prefetch_line(weight, cfg.block_k), GATED=gated, **pdl.launch_options(x.device))
     if cfg.split_k > 1:
         sum_splits(partial, y, bias, cfg.split_k)
     return y

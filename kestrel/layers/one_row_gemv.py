@@ -8,6 +8,10 @@ over bf16 weights, 8 rows x 512 inputs per program with the cross-thread reducti
 to 5.71 ms. `route_one_row_linears` gives every plain float linear of a model (nn.Linear and the merged /
 column-parallel ones, whose forward is nn.Linear's) a forward that takes the GEMV at one row and F.linear
 otherwise; quantized layers keep their own kernels.
+
+`gated_down` is a gated MLP's down projection at one row with silu(gate) * up computed inside the GEMV, for
+the linears that run a GEMV there (these, and FP8 ones): one launch a layer fewer than the activation
+kernel and the GEMV, the same values bit for bit.
 """
 from __future__ import annotations
 
@@ -15,10 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kestrel.layers import fp8_gemm_triton
 from kestrel.layers.fp8_gemm_triton import GemvConfig, gemv
+from kestrel.layers.fp8_linear import Fp8Linear
 
 CONFIG = GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4, defer_reduce=True)
 ENABLED = True  # False: cuBLAS at one row too (to compare in one process)
+GATED_DOWN = True  # False: gated_down declines, the activation kernel runs (to compare in one process)
 
 
 def route_one_row_linears(model: nn.Module) -> int:
@@ -28,6 +35,7 @@ def route_one_row_linears(model: nn.Module) -> int:
         if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward \
                 and module.weight.dtype in (torch.bfloat16, torch.float16) and module.weight.stride(1) == 1:
             module.forward = _one_row_forward(module)
+            module.one_row_gemv = True  # for gated_down
             routed += 1
     return routed
 
@@ -38,3 +46,19 @@ def _one_row_forward(module: nn.Linear):
             return gemv(x, module.weight, bias=module.bias, config=CONFIG)
         return F.linear(x, module.weight, module.bias)
     return forward
+
+
+def gated_down(linear: nn.Module, h: torch.Tensor) -> torch.Tensor | None:
+    """linear(silu(gate) * up) for one row h [1, 2I] = gate | up, in one GEMV launch, where `linear` runs a GEMV
+    at one row: a float linear routed here, or an Fp8Linear on the Triton path whose one-row default is the
+    GEMV. None otherwise (another linear, a row-parallel or LoRA one among them): the caller runs the
+    activation and the linear."""
+    if not GATED_DOWN or h.dim() != 2 or h.shape[0] != 1 or h.stride(1) != 1:
+        return None
+    if getattr(linear, "one_row_gemv", False) and h.dtype == linear.weight.dtype:
+        return gemv(h, linear.weight, bias=linear.bias, config=CONFIG, gated=True)
+    if isinstance(linear, Fp8Linear) and linear.gemm is not None and fp8_gemm_triton.GEMV_MAX_M >= 1:
+        cfg = fp8_gemm_triton.default_gemv_config(1, linear.out_features, linear.in_features, h.device)
+        if cfg.fused_quant or not cfg.quantize_x:
+            return gemv(h, linear.weight, linear.weight_scale_inv, linear.bias, cfg, gated=True)
+    return None

@@ -86,9 +86,19 @@ class LlamaMLP(nn.Module):
                                          slices=column_slices(sizes, parallel))
         self.down_proj = row_parallel_linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, parallel)
         self.act_fn = SiluAndMul(use_triton=kernels.triton_elementwise)
+        self.gated_down = None
+        if kernels.triton_elementwise:  # imported only here: triton is optional
+            from kestrel.layers.one_row_gemv import gated_down
+
+            self.gated_down = gated_down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        if self.gated_down is not None:  # at one row, the activation inside the down GEMV where it can be
+            y = self.gated_down(self.down_proj, h)
+            if y is not None:
+                return y
+        return self.down_proj(self.act_fn(h))
 
 
 class LlamaDecoderLayer(nn.Module):
