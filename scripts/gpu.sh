@@ -80,12 +80,11 @@
 #                   (OUT/moe_profile_bs1.txt). < 5 min
 #   int4-m1         the W4A16 GEMM's GEMVs at M = 1 (the nibble GEMV and the other; < 3 min), then llama-3.1-8b-awq
 #                   one-batch at batch 1 without and with the nibble GEMV as default_config's (NIBBLE_TILE). < 7 min
-#   pdl             programmatic dependent launch (kestrel/pdl.py): the GPU tests of the kernels taking part, then
-#                   batch 1 (graphs up to 1) of PDL_MODELS (default "bf16 fp8 awq": the 8B in bf16, with --quantization
-#                   fp8, llama-3.1-8b-awq) with PDL off, on, and on with the GEMV's weight prefetch
-#                   (pdl.PREFETCH_WEIGHTS), one process each. ~80 s a process
-#   gated-down      batch 1 of the bf16 8B and with --quantization fp8 with the MLP's activation inside the down
-#                   GEMV (one_row_gemv.GATED_DOWN) off, then on, one process each; its GPU test. < 6 min
+#   pdl             the one-row launch changes (docs/benchmarks.md, "Written since"): the GPU tests of the kernels
+#                   they touch, then batch 1 (graphs up to 1) of PDL_MODELS (default "bf16 fp8 awq": the 8B in bf16,
+#                   with --quantization fp8, llama-3.1-8b-awq), one process per variant: base (no PDL, the MLP's
+#                   activation its own launch), gated (the activation inside the down GEMV: one_row_gemv.GATED_DOWN;
+#                   not for awq), pdl (kestrel/pdl.py on), prefetch (and the GEMVs' weight prefetch). ~75 s a process
 #   pdl-moe         the same for Qwen3-30B-A3B and gpt-oss-20b at batch 1 (MOE_MODELS as `moe`). < 7 min
 #   int4            llama-3.1-8b-awq one-batch at batch 1 and 64 against its 4-bit floor, the bf16 8B beside it
 #                   (the ratio from one machine), and the W4A16 GEMM's config sweep at the 8B's projection shapes,
@@ -548,20 +547,12 @@ sys.argv[0] = 'decode_attention'; runpy.run_module('kestrel.bench.kernels.decode
           fp8) flags="$LLAMA --batch-size 1 --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 1 --quantization fp8" ;;
           awq) flags=$AWQ_BS1 ;;
         esac
-        for variant in off on prefetch; do  # module constants: set in the process before the model runs
-          echo "== $model at batch 1, PDL $variant"
-          one_batch_set 100 "import kestrel.pdl as p; p.ENABLED = '$variant' != 'off'; \
-p.PREFETCH_WEIGHTS = '$variant' == 'prefetch'" "pdl_${model}_bs1_$variant" $flags
-        done
-      done ;;
-    gated-down)
-      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_one_row_gemv_gpu.py 2>&1 | tail -2
-      for quant in "" "--quantization fp8"; do
-        for on in False True; do  # a module constant: set it in the process before the model runs
-          echo "== batch 1 ${quant:-bf16}, GATED_DOWN = $on"
-          one_batch_set 100 "import kestrel.layers.one_row_gemv as g; g.GATED_DOWN = $on" \
-            "gated_down_${quant:+fp8_}bs1_$on" $LLAMA --batch-size 1 --input-len 128 --output-len 128 \
-            --max-total-tokens 65536 --cuda-graph-max-bs 1 $quant
+        for variant in base gated pdl prefetch; do  # module constants: set in the process before the model runs
+          [ "$model" = awq ] && [ "$variant" = gated ] && continue  # int4's down GEMV takes no activation
+          echo "== $model at batch 1, $variant"
+          one_batch_set 100 "import kestrel.pdl as p, kestrel.layers.one_row_gemv as g
+p.ENABLED = '$variant' in ('pdl', 'prefetch'); p.PREFETCH_WEIGHTS = '$variant' == 'prefetch'
+g.GATED_DOWN = '$variant' != 'base'" "launches_${model}_bs1_$variant" $flags
         done
       done ;;
     pdl-moe)
