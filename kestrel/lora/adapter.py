@@ -48,8 +48,15 @@ class LoRAAdapter:
 
 _uids = itertools.count(1)
 PEFT_PREFIX = "base_model.model."
-UNSUPPORTED_OPTIONS = {"use_dora": "DoRA", "modules_to_save": "modules_to_save (whole trained layers)",
-                       "rank_pattern": "rank_pattern (per-module ranks)", "alpha_pattern": "alpha_pattern"}
+# Adapter options that change what the adapter computes, refused by name rather than served wrong. The first
+# ones first: PEFT's "all-linear" on a MoE model sets target_parameters and per-parameter rank patterns.
+UNSUPPORTED_OPTIONS = {
+    "target_parameters": "target_parameters (LoRA on raw parameters such as MoE experts and routers; kestrel "
+                         "serves LoRA on the attention and dense MLP projections)",
+    "use_dora": "DoRA", "modules_to_save": "modules_to_save (whole trained layers)",
+    "rank_pattern": "rank_pattern (per-module ranks)", "alpha_pattern": "alpha_pattern",
+    "lora_bias": "lora_bias (a bias on lora_B)", "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "layer_replication": "layer_replication", "use_qalora": "QA-LoRA", "use_bdlora": "BD-LoRA"}
 
 
 def _read_config(path: str) -> dict:

@@ -127,6 +127,13 @@ def test_unknown_and_broken_adapters(setup, tmp_path: Path) -> None:
         save_file(renamed, bad / "adapter_model.safetensors")
         with pytest.raises(ValueError, match="qq_proj"):
             engine.load_lora_adapter("bad", str(bad))
+        # PEFT's "all-linear" on a MoE model adapts the experts and the router as raw parameters.
+        save_file(weights, bad / "adapter_model.safetensors")
+        moe_config = {**config, "target_parameters": ["gate_up_proj", "down_proj", "gate.weight"],
+                      "rank_pattern": {".*\\.gate_up_proj": 8}}
+        (bad / "adapter_config.json").write_text(json.dumps(moe_config))
+        with pytest.raises(ValueError, match="target_parameters .*MoE experts and routers"):
+            engine.load_lora_adapter("bad", str(bad))
         engine.load_lora_adapter("wide", str(adapters["wide"]))  # the engine still loads and serves
         assert set(engine.lora_adapters()) == {"sql", "wide"}
         out = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_new_tokens=2),
