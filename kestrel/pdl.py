@@ -46,7 +46,8 @@ def on(device: torch.device) -> bool:
 
 
 def launch_options(device: torch.device) -> dict:
-    """The launch keyword that turns PDL on for one launch: {} where `on` is False."""
+    """A taking-part kernel's launch keywords: its PDL constexpr, and where `on`, the flag that launches it
+    with PDL."""
     return {"PDL": True, "launch_pdl": True} if on(device) else {"PDL": False}
 
 

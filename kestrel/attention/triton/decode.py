@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.attention.triton.common import attend_block, sink_denominator
 from kestrel import pdl
+from kestrel.attention.triton.common import attend_block, sink_denominator
 from kestrel.envs import triton_jit
 from kestrel.quant.fp8 import is_fp8
 from kestrel.quant.fp8_triton import fp8_store_args, to_storage
