@@ -93,9 +93,11 @@ def _head_rmsnorm_rope_kernel(X, WQ, WK, OUT, positions, cos_sin, stride_x, stri
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
-    w = tl.where(head < q_heads, WQ, WK)
-    w1 = tl.load(w + offs, mask=mask, other=0.0).to(tl.float32)
-    w2 = tl.load(w + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    is_q = head < q_heads  # the query weight for the query heads, as _head_rmsnorm_kernel picks it
+    w1 = tl.where(is_q, tl.load(WQ + offs, mask=mask, other=0.0), tl.load(WK + offs, mask=mask, other=0.0))
+    w2 = tl.where(is_q, tl.load(WQ + HALF + offs, mask=mask, other=0.0),
+                  tl.load(WK + HALF + offs, mask=mask, other=0.0))
+    w1, w2 = w1.to(tl.float32), w2.to(tl.float32)
     dt = OUT.dtype.element_ty
     n1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
     n2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
