@@ -84,7 +84,8 @@
 #                   they touch, then batch 1 (graphs up to 1) of PDL_MODELS (default "bf16 fp8 awq": the 8B in bf16,
 #                   with --quantization fp8, llama-3.1-8b-awq), one process per variant: base (no PDL, the MLP's
 #                   activation its own launch), gated (the activation inside the down GEMV: one_row_gemv.GATED_DOWN;
-#                   not for awq), pdl (kestrel/pdl.py on), prefetch (and the GEMVs' weight prefetch). ~75 s a process
+#                   not for awq), pdl (kestrel/pdl.py on), prefetch (and the GEMVs' weight prefetch). ~75 s a process:
+#                   split PDL_MODELS over commands; PDL_TESTS=0 leaves the tests out
 #   pdl-moe         the same for Qwen3-30B-A3B and gpt-oss-20b at batch 1 (MOE_MODELS as `moe`). < 7 min
 #   int4            llama-3.1-8b-awq one-batch at batch 1 and 64 against its 4-bit floor, the bf16 8B beside it
 #                   (the ratio from one machine), and the W4A16 GEMM's config sweep at the 8B's projection shapes,
@@ -538,9 +539,10 @@ sys.argv[0] = 'decode_attention'; runpy.run_module('kestrel.bench.kernels.decode
           "int4_bs1_nibbles_$([ "$tile" = None ] && echo off || echo on)" $AWQ_BS1
       done ;;
     pdl)
-      timeout "${PDL_TESTS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pdl_gpu.py \
-        tests/gpu/test_cuda_graph.py tests/gpu/test_one_row_gemv_gpu.py tests/gpu/test_fp8_gpu.py \
-        tests/gpu/test_int4_gpu.py 2>&1 | tail -3
+      if [ "${PDL_TESTS:-1}" = 1 ]; then
+        timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pdl_gpu.py tests/gpu/test_cuda_graph.py \
+          tests/gpu/test_one_row_gemv_gpu.py tests/gpu/test_fp8_gpu.py tests/gpu/test_int4_gpu.py 2>&1 | tail -3
+      fi
       for model in ${PDL_MODELS:-bf16 fp8 awq}; do
         case $model in
           bf16) flags="$LLAMA --batch-size 1 --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 1" ;;
