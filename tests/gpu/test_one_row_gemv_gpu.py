@@ -26,12 +26,14 @@ def test_the_one_row_gemv_equals_f_linear(k, n):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_gated_down_equals_the_activation_kernel_then_the_down_gemv(fp8):
+def test_gated_down_equals_the_activation_kernel_then_the_down_gemv(fp8, monkeypatch):
     """Llama-3.1-8B's down projection at one row with the activation inside the GEMV, bit for bit."""
+    from kestrel.layers import one_row_gemv
     from kestrel.layers.fp8_linear import Fp8Linear
     from kestrel.layers.fused_triton import silu_and_mul
     from kestrel.layers.one_row_gemv import gated_down
 
+    monkeypatch.setattr(one_row_gemv, "GATED_DOWN", True)
     gen = torch.Generator(device="cuda").manual_seed(3)
     layer = nn.Linear(14336, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
     layer.weight.data = torch.randn(4096, 14336, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02

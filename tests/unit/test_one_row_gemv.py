@@ -25,13 +25,16 @@ def test_one_row_linears_take_the_gemv_and_match_f_linear():
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_gated_down_equals_the_activation_then_the_linear(fp8):
+def test_gated_down_equals_the_activation_then_the_linear(fp8, monkeypatch):
     """A gated MLP's down projection at one row with silu(gate) * up inside the GEMV: the values of the
-    activation kernel then the linear's own one-row path, bit for bit; no fused path elsewhere."""
+    activation kernel then the linear's own one-row path, bit for bit; no fused path elsewhere, nor when off."""
     pytest.importorskip("triton")
+    from kestrel.layers import one_row_gemv
     from kestrel.layers.fp8_linear import Fp8Linear
     from kestrel.layers.fused_triton import silu_and_mul
     from kestrel.layers.one_row_gemv import gated_down
+
+    monkeypatch.setattr(one_row_gemv, "GATED_DOWN", True)
 
     torch.manual_seed(1)
     linear = nn.Linear(256, 40, bias=True).to(torch.bfloat16)
@@ -46,10 +49,15 @@ def test_gated_down_equals_the_activation_then_the_linear(fp8):
         assert torch.equal(got, want) and got.isfinite().all()
         assert gated_down(linear, torch.cat([h, h])) is None  # two rows: the caller's two launches
     assert gated_down(nn.Linear(256, 40).to(torch.bfloat16), h) is None  # not routed: F.linear's, untouched
+    monkeypatch.setattr(one_row_gemv, "GATED_DOWN", False)
+    assert gated_down(linear, h) is None
 
 
-def test_a_llama_mlp_at_one_row_takes_the_gated_down_gemv():
+def test_a_llama_mlp_at_one_row_takes_the_gated_down_gemv(monkeypatch):
     pytest.importorskip("triton")
+    from kestrel.layers import one_row_gemv
+
+    monkeypatch.setattr(one_row_gemv, "GATED_DOWN", True)
     from kestrel.layers.kernels import Kernels
     from kestrel.models.arch_config import parse_arch_config
     from kestrel.models.llama import LlamaMLP
