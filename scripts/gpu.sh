@@ -545,8 +545,8 @@ sys.argv[0] = 'decode_attention'; runpy.run_module('kestrel.bench.kernels.decode
       fi
       for model in ${PDL_MODELS:-bf16 fp8 awq}; do
         case $model in
-          bf16) flags="$LLAMA --batch-size 1 --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 1" ;;
-          fp8) flags="$LLAMA --batch-size 1 --input-len 128 --output-len 128 --max-total-tokens 65536 --cuda-graph-max-bs 1 --quantization fp8" ;;
+          bf16) flags="$ONE_BATCH --batch-size 1 --cuda-graph-max-bs 1" ;;
+          fp8) flags="$ONE_BATCH --batch-size 1 --cuda-graph-max-bs 1 --quantization fp8" ;;
           awq) flags=$AWQ_BS1 ;;
         esac
         for variant in base gated pdl prefetch; do  # module constants: set in the process before the model runs

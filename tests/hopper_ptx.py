@@ -56,6 +56,7 @@ DECODE_TYPES = {"Q": BF16, "K": BF16, "V": BF16, "O": BF16, "mid_o": "*fp32", "m
                 "req_to_token": "*i32", "req_pool_indices": "*i64", "seq_lens": "*i64", "split_chunks": "*i64",
                 "split_counts": "*i64", "K_new": BF16, "V_new": BF16, "new_slots": "*i64", "Sinks": "*fp32",
                 "sm_scale": "fp32", "k_scale": "fp32", "v_scale": "fp32"}
+HEAD_TYPES = {"X": BF16, "WQ": BF16, "WK": BF16, "OUT": BF16, "positions": "*i64", "cos_sin": "*fp32", "eps": "fp32"}
 CASES = {
     "bf16 one-row GEMV, gated, prefetch": (fp8._gemv_kernel, GEMV_TYPES,
                                            {**GEMV, "SCALED": False, "PREFETCH_LINE": 64, "GATED": True}),
@@ -79,11 +80,8 @@ CASES = {
                               BLOCK_N=128, BLOCK_K=128, PARTIAL=False, DOT=True, IEEE=False)),
     "add + RMSNorm": (fused_triton._add_rmsnorm_kernel, {"X": BF16, "R": BF16, "W": BF16, "OUT": BF16, "eps": "fp32"},
                       dict(HAS_RESIDUAL=True, BLOCK=4096)),
-    "head RMSNorm": (fused_triton._head_rmsnorm_kernel, {"X": BF16, "WQ": BF16, "WK": BF16, "OUT": BF16,
-                                                         "eps": "fp32"}, dict(BLOCK=128)),
-    "head RMSNorm + rope": (fused_triton._head_rmsnorm_rope_kernel,
-                            {"X": BF16, "WQ": BF16, "WK": BF16, "OUT": BF16, "positions": "*i64", "cos_sin": "*fp32",
-                             "eps": "fp32"}, dict(HALF=64, BLOCK_HALF=64)),
+    "head RMSNorm": (fused_triton._head_rmsnorm_kernel, HEAD_TYPES, dict(BLOCK=128, ROPE=False)),
+    "head RMSNorm + rope": (fused_triton._head_rmsnorm_kernel, HEAD_TYPES, dict(BLOCK=128, ROPE=True)),
     "SiLU and mul": (fused_triton._silu_and_mul_kernel, {"X": BF16, "OUT": BF16}, dict(BLOCK=1024)),
     "rope": (rope_triton._rope_kernel, {"X": BF16, "OUT": BF16, "positions": "*i64", "cos_sin": "*fp32"},
              dict(HALF=64, BLOCK_H=64, BLOCK_HALF=64)),

@@ -43,13 +43,13 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.fused_qk_norm = self.fused_qk_norm_rope = None
+        self.fused_qk_norm = None
         if cfg.qk_norm and kernels.triton_elementwise:  # imported only here: triton is optional
-            from kestrel.layers.fused_triton import head_rmsnorm, head_rmsnorm_rope
+            from kestrel.layers.fused_triton import head_rmsnorm
 
             self.fused_qk_norm = head_rmsnorm
-            if rotary.triton_kernel is not None:  # rope in Triton too: the norm and the rotation in one launch
-                self.fused_qk_norm_rope = head_rmsnorm_rope
+        # With rope in Triton too, the head norm's launch rotates q and k as well.
+        self.rope_in_qk_norm = self.fused_qk_norm is not None and rotary.triton_kernel is not None
         self.head_dim = head_dim
         self.rotary_emb = rotary  # one module shared by all layers; its cache is not in the state dict
         self.attn = AttentionLayer(layer_id, heads, kv_heads, head_dim, head_dim ** -0.5,
@@ -58,9 +58,9 @@ class LlamaAttention(nn.Module):
     def qkv(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The attention call's inputs: q and k normed (Qwen3) and rotated, v."""
         qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        if self.fused_qk_norm_rope is not None:
-            qk = self.fused_qk_norm_rope(qk, self.q_norm.weight, self.k_norm.weight, self.q_size // self.head_dim,
-                                         self.q_norm.eps, positions, self.rotary_emb.cos_sin_cache)
+        if self.rope_in_qk_norm:
+            qk = self.fused_qk_norm(qk, self.q_norm.weight, self.k_norm.weight, self.q_size // self.head_dim,
+                                    self.q_norm.eps, positions, self.rotary_emb.cos_sin_cache)
             return *qk.split([self.q_size, self.kv_size], dim=-1), v
         if self.fused_qk_norm is not None:
             qk = self.fused_qk_norm(qk, self.q_norm.weight, self.k_norm.weight, self.q_size // self.head_dim,

@@ -59,10 +59,10 @@ def test_head_rmsnorm_equals_the_two_torch_norms(dtype, head_dim):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 40])
-def test_head_rmsnorm_rope_equals_the_norm_then_the_rotation(dtype, head_dim):
-    """The fused launch against head_rmsnorm then rope on the torch path, at scattered positions, on the
-    q | k part of a fused qkv output (strided rows)."""
-    from kestrel.layers.fused_triton import head_rmsnorm, head_rmsnorm_rope
+def test_head_rmsnorm_with_rope_equals_the_norm_then_the_rotation(dtype, head_dim):
+    """The head norm's launch rotating too, against head_rmsnorm then rope on the torch path, at scattered
+    positions, on the q | k part of a fused qkv output (strided rows)."""
+    from kestrel.layers.fused_triton import head_rmsnorm
     from kestrel.layers.rotary import RopeConfig, RotaryEmbedding
 
     gen = torch.Generator().manual_seed(head_dim + 1)
@@ -73,7 +73,7 @@ def test_head_rmsnorm_rope_equals_the_norm_then_the_rotation(dtype, head_dim):
     qk = qkv[:, :(q_heads + k_heads) * head_dim]
     positions = torch.tensor([0, 7, 3, 100, 127], device=DEVICE)
     want = rotary(positions, head_rmsnorm(qk, q_w, k_w, q_heads, 1e-6))
-    got = head_rmsnorm_rope(qk, q_w, k_w, q_heads, 1e-6, positions, rotary.cos_sin_cache)
+    got = head_rmsnorm(qk, q_w, k_w, q_heads, 1e-6, positions, rotary.cos_sin_cache)
     torch.testing.assert_close(got, want)
     assert not torch.equal(got, head_rmsnorm(qk, q_w, k_w, q_heads, 1e-6))  # rotated: position 0 is not all
 
@@ -97,12 +97,12 @@ def test_qwen3_attention_takes_the_fused_head_norm_with_triton_elementwise():
         for param in module.parameters():
             param.data = torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel()))
     assert fused.fused_qk_norm is not None and plain.fused_qk_norm is None
-    assert fused.fused_qk_norm_rope is None  # rope on the torch path: the norm alone is fused
+    assert not fused.rope_in_qk_norm  # rope on the torch path: the norm alone is fused
     # With rope in Triton too, the norm and the rotation are one launch.
     fused_rope = LlamaAttention(cfg, 0, RotaryEmbedding(cfg.head_dim, 64, cfg.rope, use_triton=True),
                                 kernels=Kernels(triton_elementwise=True))
     fused_rope.load_state_dict(fused.state_dict())
-    assert fused_rope.fused_qk_norm_rope is not None
+    assert fused_rope.rope_in_qk_norm
     plain, fused, fused_rope = plain.to(DEVICE), fused.to(DEVICE), fused_rope.to(DEVICE)
     hidden, positions = torch.randn(3, 64).to(DEVICE), torch.tensor([0, 5, 9], device=DEVICE)
     want = plain.qkv(positions, hidden)
