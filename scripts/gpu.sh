@@ -82,11 +82,11 @@
 #                   one-batch at batch 1 without and with the nibble GEMV as default_config's (NIBBLE_TILE). < 7 min
 #   pdl             the one-row launch changes (docs/benchmarks.md, "Written since"): the GPU tests of the kernels
 #                   they touch, then batch 1 (graphs up to 1) of PDL_MODELS (default "bf16 fp8 awq": the 8B in bf16,
-#                   with --quantization fp8, llama-3.1-8b-awq), one process per variant: base (no PDL, the MLP's
-#                   activation its own launch), gated (the activation inside the down GEMV: one_row_gemv.GATED_DOWN;
-#                   not for awq), pdl (kestrel/pdl.py on), prefetch (and the GEMVs' weight prefetch). ~75 s a process:
-#                   split PDL_MODELS over commands; PDL_TESTS=0 leaves the tests out
-#   pdl-moe         the same for Qwen3-30B-A3B and gpt-oss-20b at batch 1 (MOE_MODELS as `moe`). < 7 min
+#                   with --quantization fp8, llama-3.1-8b-awq), one process a model, its variants in turn twice
+#                   (kestrel.bench.variants): base (no PDL, the MLP's activation its own launch), pdl (kestrel/pdl.py
+#                   on), prefetch (and the GEMVs' weight prefetch), and each of them gated (the activation inside
+#                   the down GEMV: one_row_gemv.GATED_DOWN; not for awq). PDL_TESTS=0 leaves the tests out. < 9 min
+#   pdl-moe         PDL off and on for Qwen3-30B-A3B and gpt-oss-20b at batch 1 (MOE_MODELS as `moe`). < 5 min
 #   int4            llama-3.1-8b-awq one-batch at batch 1 and 64 against its 4-bit floor, the bf16 8B beside it
 #                   (the ratio from one machine), and the W4A16 GEMM's config sweep at the 8B's projection shapes,
 #                   M = 1, 4, 16, 64 (kestrel.bench.kernels.int4_gemm). < 9 min
@@ -549,22 +549,23 @@ sys.argv[0] = 'decode_attention'; runpy.run_module('kestrel.bench.kernels.decode
           fp8) flags="$ONE_BATCH --batch-size 1 --cuda-graph-max-bs 1 --quantization fp8" ;;
           awq) flags=$AWQ_BS1 ;;
         esac
-        for variant in base gated pdl prefetch; do  # module constants: set in the process before the model runs
-          [ "$model" = awq ] && [ "$variant" = gated ] && continue  # int4's down GEMV takes no activation
-          echo "== $model at batch 1, $variant"
-          one_batch_set 100 "import kestrel.pdl as p, kestrel.layers.one_row_gemv as g
-p.ENABLED = '$variant' in ('pdl', 'prefetch'); p.PREFETCH_WEIGHTS = '$variant' == 'prefetch'
-g.GATED_DOWN = '$variant' != 'base'" "launches_${model}_bs1_$variant" $flags
-        done
+        # One process a model: the variants in turn, twice (kestrel.bench.variants), each setting every constant.
+        set_v() { echo "$1=import kestrel.pdl as p, kestrel.layers.one_row_gemv as g; p.ENABLED = $2; p.PREFETCH_WEIGHTS = $3; g.GATED_DOWN = $4"; }
+        variants=(--variant "$(set_v base False False False)" --variant "$(set_v pdl True False False)"
+                  --variant "$(set_v prefetch True True False)")
+        [ "$model" = awq ] || variants+=(--variant "$(set_v gated False False True)" --variant "$(set_v pdl_gated True False True)"
+                                         --variant "$(set_v prefetch_gated True True True)")
+        echo "== $model at batch 1"
+        timeout 300 python3 -m kestrel.bench.variants $flags "${variants[@]}" --json "$OUT/launches_${model}_bs1.json" \
+          2>&1 | grep -v "^\s*$" | grep -v " INFO " | tail -8
       done ;;
     pdl-moe)
       for model in ${MOE_MODELS:-qwen3-30b-a3b gpt-oss-20b}; do
-        for on in False True; do
-          echo "== $model at batch 1, pdl.ENABLED = $on"
-          one_batch_set 110 "import kestrel.pdl as p; p.ENABLED = $on" "pdl_${model}_bs1_$on" \
-            --model "kestrel/assets/configs/$model" --load-format dummy --max-total-tokens 65536 --batch-size 1 \
-            --input-len 128 --output-len 128 --cuda-graph-max-bs 1
-        done
+        echo "== $model at batch 1"
+        timeout 200 python3 -m kestrel.bench.variants --model "kestrel/assets/configs/$model" --load-format dummy \
+          --max-total-tokens 65536 --batch-size 1 --input-len 128 --output-len 128 --cuda-graph-max-bs 1 \
+          --variant "base=import kestrel.pdl as p; p.ENABLED = False" --variant "pdl=import kestrel.pdl as p; p.ENABLED = True" \
+          --json "$OUT/pdl_${model}_bs1.json" 2>&1 | grep -v "^\s*$" | grep -v " INFO " | tail -4
       done ;;
     *)
       echo "gpu.sh: unknown stage '$1' (the list is at the top of scripts/gpu.sh)" >&2
