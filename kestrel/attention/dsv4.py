@@ -195,12 +195,30 @@ class DSV4Backend:
             ring[plan.ring_writes(ring.shape[1])] = new.to(ring.dtype)
         return None if sources is None else (blocks, *sources)
 
+    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For a step of one new token per request: (REQUEST rows [B], the tokens' positions [B], the
+        req_to_token table), what a compressor's one-launch decode path (`triton_ops.compress_decode`)
+        reads; None for any other step."""
+        plan = self.plan
+        if plan.num_tokens != plan.num_requests:
+            return None
+        return plan.rows, plan.tok_pos, plan.table
+
+    def state_rings(self, layer_id: int, names: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A compressor's state rings (kv rows, score rows) [REQUEST rows, ring, width]."""
+        layer = self.pools.layer(layer_id)
+        return getattr(layer, names[0]), getattr(layer, names[1])
+
     # ---- compressed entries --------------------------------------------------------------------------
     def write_blocks(self, layer_id: int, name: str, blocks: NewBlocks, entries: torch.Tensor) -> None:
         """Store the entries [N, c] of the blocks this step completed."""
+        self.write_entries(layer_id, name, blocks.slots, entries)
+
+    def write_entries(self, layer_id: int, name: str, slots: torch.Tensor, entries: torch.Tensor) -> None:
+        """Store entries [N, c] at BLOCK slots [N] of buffer `name`."""
         layer = self.pools.layer(layer_id)
         buf = getattr(layer, name)
-        buf[blocks.slots] = _stored(entries, buf, getattr(layer, f"{name}_codec"))
+        buf[slots] = _stored(entries, buf, getattr(layer, f"{name}_codec"))
 
     def read_blocks(self, layer_id: int, name: str, ratio: int,
                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,11 +35,22 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(dim, eps, use_triton=fused)
         self.rope = rope
         self.state, self.entries = state, entries
+        self.fused = fused
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, backend: DSV4Backend, layer_id: int) -> None:
         """Project this step's tokens x [T, d]; write the blocks they complete to the backend."""
         xf = x.float()
         kv = xf @ self.wkv.weight.T
+        decode = backend.decode_rows() if self.fused else None
+        if decode is not None:  # one new token per request: the rest in one launch (triton_ops.compress_decode)
+            from kestrel.models.deepseek_v4.triton_ops import compress_decode  # triton is optional
+
+            rows, pos, table = decode
+            entries, slots = compress_decode(
+                kv, xf @ self.wgate.weight.T, self.ape, backend.state_rings(layer_id, self.state), rows, pos, table,
+                self.norm.weight, self.norm.eps, self.rope.omega, self.rope.rope_dim, self.ratio, self.overlap, x.dtype)
+            backend.write_entries(layer_id, self.entries, slots, entries)
+            return
         score = xf @ self.wgate.weight.T + self.ape[positions % self.ratio]
         rows = backend.compressor_rows(layer_id, self.state, kv, score, self.ratio, self.overlap)
         if rows is None:

@@ -7,6 +7,11 @@ each. Both kernels round where the torch forms do (`V4Rope.forward`, `V4Attentio
   other dims copied. A program per row of D values (a token's head, or a token).
 - `head_rms_scale`: each row times rsqrt(mean(row^2) + eps), the statistic in float32 and cast to the
   row's dtype before the product (no weight).
+- `compress_decode`: a compressor's whole step for a batch of one new token per request, after its two
+  projections: the position's `ape` row added to the score, both rows stored in the state rings, and for a
+  request whose token closes a block, the block pooled (softmax per channel over its candidate rows),
+  normalised and roped into its entry. In torch that is ~25 launches per compressor (gathers, cats,
+  masks, softmax, ring scatters), and a ratio-4 layer runs two compressors every step.
 """
 from __future__ import annotations
 
@@ -64,3 +69,102 @@ def head_rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
     if x.numel():
         _rms_scale_kernel[(x.numel() // dim,)](x, out, dim, eps, BLOCK_D=triton.next_power_of_2(dim))
     return out
+
+
+@triton_jit
+def _compress_decode_kernel(
+    KV, Score, Ape, RingKV, RingScore, Rows, Pos, Table, NormW, Omega, Out, Slots,
+    stride_proj, stride_ape, stride_ring_row, stride_ring_pos, stride_table, ring_len, eps,
+    RATIO: tl.constexpr, OVERLAP: tl.constexpr, DIM: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    pos = tl.load(Pos + b)
+    row = tl.load(Rows + b).to(tl.int64)
+    width = DIM * (2 if OVERLAP else 1)
+    # 1. This token's rows, the score with its place in the block's `ape` row, into the rings.
+    ring_base = row * stride_ring_row + (pos % ring_len) * stride_ring_pos
+    for w0 in tl.static_range(0, width, BLOCK_W):
+        offs = w0 + tl.arange(0, BLOCK_W)
+        ok = offs < width
+        kv = tl.load(KV + b * stride_proj + offs, mask=ok)
+        score = tl.load(Score + b * stride_proj + offs, mask=ok) + \
+            tl.load(Ape + (pos % RATIO) * stride_ape + offs, mask=ok)
+        tl.store(RingKV + ring_base + offs, kv, mask=ok)
+        tl.store(RingScore + ring_base + offs, score, mask=ok)
+    index = pos // RATIO
+    complete = (pos + 1) % RATIO == 0
+    # A request that closes no block writes its (zero) entry to BLOCK slot 0, which no request reads.
+    slot = tl.load(Table + row * stride_table + index * RATIO) // RATIO
+    tl.store(Slots + b, tl.where(complete, slot, 0))
+    offs_c = tl.arange(0, BLOCK_C)
+    if complete:
+        tl.debug_barrier()  # the rows stored above are read back below, by other threads of the program
+        # 2. The block's candidates: its own RATIO rows (with overlap, their second half of channels), and
+        # with overlap the previous block's rows' first half (none before block 0: weight 0).
+        CAND: tl.constexpr = RATIO * (2 if OVERLAP else 1)
+        j = tl.arange(0, CAND)
+        own = j >= (RATIO if OVERLAP else 0)
+        cand_pos = index * RATIO - (RATIO if OVERLAP else 0) + j  # own: the block's, else the one before
+        real = cand_pos >= 0
+        cand_off = (cand_pos % ring_len) * stride_ring_pos + tl.where(own, DIM if OVERLAP else 0, 0)
+        sumsq = 0.0
+        for c0 in tl.static_range(0, DIM, BLOCK_C):
+            ch = c0 + offs_c
+            ch_ok = ch < DIM
+            ptr = row * stride_ring_row + cand_off[:, None] + ch[None, :]
+            m = real[:, None] & ch_ok[None, :]
+            s = tl.load(RingScore + ptr, mask=m, other=float("-inf"))
+            v = tl.load(RingKV + ptr, mask=m, other=0.0)
+            p = tl.exp(s - tl.max(s, 0)[None, :])
+            pooled = tl.sum(p * v, 0) / tl.sum(p, 0)
+            pooled = pooled.to(Out.dtype.element_ty)  # the entry's dtype before the norm, as in torch
+            pf = pooled.to(tl.float32)
+            sumsq += tl.sum(tl.where(ch_ok, pf * pf, 0.0), 0)
+            tl.store(Out + b * DIM + ch, pooled, mask=ch_ok)
+        # 3. RMSNorm (as layers.norm.RMSNorm rounds), then the rope at the block's first position.
+        rstd = 1.0 / tl.sqrt(sumsq / DIM + eps)
+        tl.debug_barrier()
+        for c0 in tl.static_range(0, DIM, BLOCK_C):
+            ch = c0 + offs_c
+            ch_ok = ch < DIM
+            h = tl.load(Out + b * DIM + ch, mask=ch_ok).to(tl.float32)
+            normed = (h * rstd).to(Out.dtype.element_ty).to(tl.float32) * tl.load(NormW + ch, mask=ch_ok).to(tl.float32)
+            tl.store(Out + b * DIM + ch, normed.to(Out.dtype.element_ty), mask=ch_ok)
+        tl.debug_barrier()
+        k = tl.arange(0, ROPE // 2)
+        base = DIM - ROPE
+        angle = (index * RATIO).to(tl.float32) * tl.load(Omega + k)
+        cos, sin = tl.cos(angle), tl.sin(angle)
+        even = tl.load(Out + b * DIM + base + 2 * k).to(tl.float32)
+        odd = tl.load(Out + b * DIM + base + 2 * k + 1).to(tl.float32)
+        tl.debug_barrier()  # every lane has read its pair before any is overwritten
+        tl.store(Out + b * DIM + base + 2 * k, (even * cos - odd * sin).to(Out.dtype.element_ty))
+        tl.store(Out + b * DIM + base + 2 * k + 1, (even * sin + odd * cos).to(Out.dtype.element_ty))
+    else:
+        for c0 in tl.static_range(0, DIM, BLOCK_C):
+            ch = c0 + offs_c
+            tl.store(Out + b * DIM + ch, tl.zeros([BLOCK_C], Out.dtype.element_ty), mask=ch < DIM)
+
+
+def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, rings: tuple[torch.Tensor, torch.Tensor],
+                    rows: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float, omega: torch.Tensor, rope_dim: int, ratio: int, overlap: bool,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new token per request b at positions[b], held in REQUEST row rows[b]: kv, score [B, width] float32
+    (the projections; score without `ape`), rings (kv, score) [R, ring_len, width] float32, `table` the
+    req_to_token table. Returns (entries [B, dim] in `dtype`, BLOCK slots [B]): the normalised, roped entry
+    of the block each token closes, else zeros for slot 0. `Compressor.forward` computes the same in torch."""
+    B, width = kv.shape
+    dim = width // (2 if overlap else 1)
+    out = torch.empty(B, dim, dtype=dtype, device=kv.device)
+    slots = torch.empty(B, dtype=torch.int64, device=kv.device)
+    if B:
+        ring_kv, ring_score = rings
+        kv, score, rows, positions = kv.contiguous(), score.contiguous(), rows.contiguous(), positions.contiguous()
+        _compress_decode_kernel[(B,)](
+            kv, score, ape, ring_kv, ring_score, rows, positions, table, norm_weight, omega, out, slots,
+            kv.stride(0), ape.stride(0), ring_kv.stride(0), ring_kv.stride(1), table.stride(0), ring_kv.shape[1], eps,
+            RATIO=ratio, OVERLAP=overlap, DIM=dim, ROPE=rope_dim, BLOCK_C=min(64, triton.next_power_of_2(dim)),
+            BLOCK_W=min(256, triton.next_power_of_2(width)))
+    return out, slots
