@@ -16,6 +16,10 @@ from kestrel.attention.dsv4_plan import NewBlocks
 from kestrel.layers.norm import RMSNorm
 from kestrel.models.deepseek_v4.rope import V4Rope
 
+# With the model's fused kernels, a decode step's compressor runs `triton_ops.compress_decode` after its
+# projections; False keeps the torch path (a benchmark sets it to compare in one process).
+DECODE_KERNEL = True
+
 
 class Compressor(nn.Module):
     """`wkv` (A), `wgate` (Z) and `ape` in float32, as DeepSeek keeps them; entries of width `dim`.
@@ -41,7 +45,7 @@ class Compressor(nn.Module):
         """Project this step's tokens x [T, d]; write the blocks they complete to the backend."""
         xf = x.float()
         kv = xf @ self.wkv.weight.T
-        decode = backend.decode_rows() if self.fused else None
+        decode = backend.decode_rows() if self.fused and DECODE_KERNEL else None
         if decode is not None:  # one new token per request: the rest in one launch (triton_ops.compress_decode)
             from kestrel.models.deepseek_v4.triton_ops import compress_decode  # triton is optional
 
