@@ -228,6 +228,15 @@ class DSV4Backend:
         layer = self.pools.layer(layer_id)
         return _values(getattr(layer, name)[slots], getattr(layer, f"{name}_codec"), dtype), visible
 
+    def block_entries(self, layer_id: int, name: str,
+                      ratio: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(buffer `name` itself [BLOCK slots, c] when it stores values in the model dtype, else None; every
+        request's block table [B, N], padded as `read_blocks`; per token how many blocks it sees [T]): what
+        a kernel that reads the entries in place takes."""
+        slots, visible = self.plan.blocks(ratio)
+        layer = self.pools.layer(layer_id)
+        return (getattr(layer, name) if getattr(layer, f"{name}_codec") is None else None), slots, visible
+
     def query_tiles(self, bytes_per_token: int) -> list[tuple[int, int, int, int]]:
         """Token ranges (a, b) over requests r0..r1-1 whose per-token working set fits `TILE_BYTES`."""
         return self.plan.tiles(bytes_per_token, TILE_BYTES)

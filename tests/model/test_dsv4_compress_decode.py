@@ -1,8 +1,10 @@
-"""DeepSeek-V4's one-launch compressor decode (`triton_ops.compress_decode`, through Triton's interpreter)
-against the compressor's torch path: the state rings and the stored entries after one decode step, for
-both kinds of step plan (host lengths; the static-sizes plan of a CUDA-graph decode), ratio 4 with overlap
-(the attention's and the indexer's compressors) and ratio 128, requests that close a block (block 0,
-without a predecessor, and later ones) beside requests that do not."""
+"""DeepSeek-V4's decode kernels (through Triton's interpreter) against the torch paths they replace, after
+one decode step, for both kinds of step plan (host lengths; the static-sizes plan of a CUDA-graph decode):
+
+- the compressor's (`triton_ops.compress_decode`): the state rings and the stored entries, ratio 4 with
+  overlap (the attention's and the indexer's compressors) and ratio 128, requests that close a block
+  (block 0, without a predecessor, and later ones) beside requests that do not;
+- the indexer's block scores (`triton_ops.index_scores`): the blocks each query picks."""
 from __future__ import annotations
 
 import pytest
@@ -38,11 +40,9 @@ def step(ctx: LayerContext, host_lengths: bool) -> ForwardBatch:
         max_extend=1, logits_indices=torch.arange(n), attn_backend=ctx.backend)
 
 
-@pytest.mark.parametrize("host_lengths", [True, False], ids=["host-plan", "graph-plan"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_compressor_step_equals_the_torch_path(host_lengths, dtype) -> None:
-    torch.manual_seed(0)
-    model = DeepseekV4ForCausalLM(parse_v4_config(ref.RefConfig().native_config()), Kernels(triton_elementwise=True))
+def fused_model(dtype: torch.dtype, **config) -> DeepseekV4ForCausalLM:
+    model = DeepseekV4ForCausalLM(parse_v4_config(ref.RefConfig(**config).native_config()),
+                                  Kernels(triton_elementwise=True))
     for name, p in model.named_parameters():  # ape and the norms' weights are 0 / 1 at init: make them count
         if "compressor" in name:
             p.data.normal_(0, 0.5)
@@ -53,6 +53,14 @@ def test_fused_compressor_step_equals_the_torch_path(host_lengths, dtype) -> Non
             if module is not None:
                 module.wkv.float(), module.wgate.float()
                 module.ape.data = module.ape.data.float()
+    return model
+
+
+@pytest.mark.parametrize("host_lengths", [True, False], ids=["host-plan", "graph-plan"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_compressor_step_equals_the_torch_path(host_lengths, dtype) -> None:
+    torch.manual_seed(0)
+    model = fused_model(dtype)
     ctx = LayerContext(model, len(POSITIONS), 512, 128, torch.device("cpu"), dtype)
     cfg = model.config
     compressors = []
@@ -91,3 +99,49 @@ def test_fused_compressor_step_equals_the_torch_path(host_lengths, dtype) -> Non
         assert closed and set(written) - {0} == set(closed)
         tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(fused_entries[1:].float(), torch_entries[1:].float(), **tol)
+
+
+@pytest.mark.parametrize("host_lengths", [True, False], ids=["host-plan", "graph-plan"])
+def test_fused_index_scores_pick_the_torch_path_s_blocks(host_lengths) -> None:
+    """float32, 16 indexer heads (an exact tie among random scores is then improbable); the top-k of 8
+    among 1 to 96 visible blocks, padded with -1 where fewer are visible."""
+    torch.manual_seed(1)
+    model = fused_model(torch.float32, index_n_heads=16)
+    ctx = LayerContext(model, len(POSITIONS), 512, 128, torch.device("cpu"), torch.float32)
+    attn = model.layers[model.config.compress_ratios.index(4)].attn
+    layer = ctx.backend.pools.layer(attn.layer_id)
+    layer.idx_k.copy_(torch.randn(layer.idx_k.shape))
+    fb = step(ctx, host_lengths)
+    x = torch.randn(len(POSITIONS), model.config.hidden_size)
+    c_q = torch.randn(len(POSITIONS), model.config.q_lora_rank)
+    picks = {}
+    for fused in (False, True):
+        ctx.backend.init_forward_metadata(fb)
+        attn.indexer.fused = fused
+        with torch.inference_mode():
+            # The indexer's compressor writes the block a token closes before the scores read it: the same
+            # entries on both paths (the test above).
+            picks[fused] = attn.indexer(x, c_q, fb.positions, ctx.backend, attn.layer_id)
+    assert picks[True].shape == picks[False].shape == (len(POSITIONS), 8)
+    assert (picks[True] == -1).sum() == 2 * 7  # positions 3 and 6 see one block each
+    for want, got in zip(picks[False].tolist(), picks[True].tolist()):
+        assert sorted(got) == sorted(want)
+
+
+def test_index_scores_round_as_the_torch_products_in_bfloat16() -> None:
+    from kestrel.models.deepseek_v4.triton_ops import index_scores
+
+    torch.manual_seed(2)
+    B, heads, dim, n, slots_total = 3, 20, 48, 70, 300
+    q = torch.randn(B, heads, dim).bfloat16()
+    w = torch.randn(B, heads).bfloat16()
+    keys = torch.randn(slots_total, dim).bfloat16()
+    slots = torch.randint(0, slots_total, (B, n))
+    visible = torch.tensor([0, 33, 70])
+    got = index_scores(q, w, 0.125, keys, slots, visible)
+    weights = (w.float() * 0.125).bfloat16()[:, None, :]
+    want = torch.bmm(weights, torch.bmm(q, keys[slots].transpose(1, 2)).relu()).squeeze(1).float()
+    want = want.masked_fill(torch.arange(n)[None, :] >= visible[:, None], float("-inf"))
+    assert torch.equal(got.isinf(), want.isinf())
+    # Scores are O(10); one bfloat16 rounding of a sum taken in another order is O(0.05).
+    torch.testing.assert_close(got, want, atol=0.1, rtol=1 / 64)

@@ -17,7 +17,8 @@ from kestrel.layers.norm import RMSNorm
 from kestrel.models.deepseek_v4.rope import V4Rope
 
 # With the model's fused kernels, a decode step's compressor runs `triton_ops.compress_decode` after its
-# projections; False keeps the torch path (a benchmark sets it to compare in one process).
+# projections, and the indexer scores blocks with `triton_ops.index_scores`; False keeps the torch paths
+# (a benchmark sets it to compare in one process).
 DECODE_KERNEL = True
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kestrel.attention.dsv4 import DSV4Backend
+from kestrel.models.deepseek_v4 import compressor as compressor_module
 from kestrel.models.deepseek_v4.compressor import Compressor
 from kestrel.models.deepseek_v4.config import V4Config
 from kestrel.models.deepseek_v4.rope import V4Rope
@@ -29,12 +30,24 @@ class Indexer(nn.Module):
                                      state=("idx_kv", "idx_score"), entries="idx_k", fused=fused)
         self.rope = rope
         self.weight_scale = (self.dim * self.heads) ** -0.5
+        self.fused = fused
 
     def forward(self, x: torch.Tensor, c_q: torch.Tensor, positions: torch.Tensor, backend: DSV4Backend,
                 layer_id: int) -> torch.Tensor:
         """[T, k]: each query's top-k visible blocks (ordinals in its request's blocks; -1 = none)."""
         self.compressor(x, positions, backend, layer_id)
         q = self.rope(self.wq_b(c_q).unflatten(-1, (self.heads, self.dim)), positions)
+        if self.fused and compressor_module.DECODE_KERNEL and backend.decode_rows() is not None:
+            keys, slots, visible = backend.block_entries(layer_id, "idx_k", RATIO)
+            if keys is not None and keys.dtype == q.dtype:  # FP8 entries take the torch path
+                from kestrel.models.deepseek_v4.triton_ops import index_scores  # triton is optional
+
+                scores = index_scores(q, self.weights_proj(x), self.weight_scale, keys, slots, visible)
+                k = min(self.topk, scores.shape[1])
+                if k == 0:
+                    return torch.full((q.shape[0], 0), -1, dtype=torch.int64, device=x.device)
+                picked = scores.topk(k, dim=-1).indices
+                return torch.where(picked < visible[:, None], picked, -1)
         weights = (self.weights_proj(x).float() * self.weight_scale).to(q.dtype)[:, None, :]  # [T, 1, heads]
         keys, visible = backend.read_blocks(layer_id, "idx_k", RATIO, q.dtype)  # [B, N, c], [T]
         n = keys.shape[1]

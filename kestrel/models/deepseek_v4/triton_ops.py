@@ -12,6 +12,9 @@ each. Both kernels round where the torch forms do (`V4Rope.forward`, `V4Attentio
   request whose token closes a block, the block pooled (softmax per channel over its candidate rows),
   normalised and roped into its entry. In torch that is ~25 launches per compressor (gathers, cats,
   masks, softmax, ring scatters), and a ratio-4 layer runs two compressors every step.
+- `index_scores`: the lightning indexer's block scores for a batch of one query per request, read
+  straight from the indexer keys' buffer through the request's block table (torch gathers every
+  request's keys into a copy first, then runs five more launches).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel import envs
 from kestrel.envs import triton_jit
 
 
@@ -168,3 +172,52 @@ def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ri
             RATIO=ratio, OVERLAP=overlap, DIM=dim, ROPE=rope_dim, BLOCK_C=min(64, triton.next_power_of_2(dim)),
             BLOCK_W=min(256, triton.next_power_of_2(width)))
     return out, slots
+
+
+@triton_jit
+def _index_scores_kernel(Q, W, Keys, Slots, Visible, Out, scale, stride_qt, stride_qh, stride_wt, stride_key,
+                         stride_slots, stride_out, n_blocks,
+                         HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    seen = offs_n < tl.load(Visible + t)  # block i is visible from its last token on
+    in_table = offs_n < n_blocks
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < HEADS
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < DIM
+    q = tl.load(Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    slots = tl.load(Slots + t * stride_slots + offs_n, mask=seen & in_table, other=0)
+    keys = tl.load(Keys + slots[:, None].to(tl.int64) * stride_key + offs_d[None, :],
+                   mask=(seen & in_table)[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:  # the interpreter computes bf16 products wrong: float32 there
+        q, keys = q.to(tl.float32), keys.to(tl.float32)
+    s = tl.dot(q, tl.trans(keys), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N], float32 sums
+    # Rounded where torch's products in q's dtype round: each head's score, the weights, the sum.
+    s = tl.maximum(s.to(Q.dtype.element_ty).to(tl.float32), 0.0)
+    w = tl.load(W + t * stride_wt + offs_h, mask=h_ok, other=0.0).to(tl.float32) * scale
+    w = w.to(Q.dtype.element_ty).to(tl.float32)
+    score = tl.sum(w[:, None] * s, 0).to(Q.dtype.element_ty).to(tl.float32)
+    tl.store(Out + t * stride_out + offs_n, tl.where(seen, score, float("-inf")), mask=in_table)
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, scale: float, keys: torch.Tensor, slots: torch.Tensor,
+                 visible: torch.Tensor) -> torch.Tensor:
+    """One query per request: q [B, heads, dim], w [B, heads] (the weights' projection, before `scale`),
+    keys [BLOCK slots, dim] (q's dtype), slots [B, N] the requests' block tables, visible [B] how many of
+    their blocks each query sees -> float32 [B, N]: sum_h (w_h * scale) ReLU(q_h . key_n), -inf past
+    `visible`. `Indexer.forward` computes the same in torch."""
+    B, heads, dim = q.shape
+    n = slots.shape[1]
+    out = torch.empty(B, n, dtype=torch.float32, device=q.device)
+    if B and n:
+        q, w, slots, visible = q.contiguous(), w.contiguous(), slots.contiguous(), visible.contiguous()
+        _index_scores_kernel[(B, triton.cdiv(n, 64))](
+            q, w, keys, slots, visible, out, scale, q.stride(0), q.stride(1), w.stride(0), keys.stride(0),
+            slots.stride(0), out.stride(0), n, HEADS=heads, DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(heads)),
+            BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=64, UPCAST=envs.triton_interpret(),
+            # float32 stays float32 (TF32 would round differently from torch's float32 matmul)
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+    return out
