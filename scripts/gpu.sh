@@ -53,7 +53,8 @@
 #   dsv4            the DeepSeek-V4 slice (bf16 and FP8 entries), its sparse attention alone, and the perplexity
 #                   comparison on demo's held-out files, which travel in heldout_texts/ (docs/benchmarks.md)
 #   dsv4-layers     the slice's attention layers against the dense one at 32k (kestrel.bench.dsv4 --only layers), with
-#                   the compressors' one-launch decode step off, then on (compressor.DECODE_KERNEL). < 5 min
+#                   the decode kernels of the compressors and the indexer and the window read from its ring in place
+#                   off, then on (compressor.DECODE_KERNEL, dsv4.DECODE_WINDOW_IN_RING). < 5 min
 #   dsv4-moe        DeepSeek-V4's routed experts: every expert, the grouped GEMM, the loop
 #   moe             Qwen3-30B-A3B and gpt-oss-20b (dummy weights; MOE_MODELS: a subset of "qwen3-30b-a3b
 #                   gpt-oss-20b"): one-batch decode at batch 1, 32, 128 against the floor of the experts a step
@@ -430,10 +431,11 @@ run_stage() {
       timeout 100 python3 -m kestrel.cli bench perplexity --compare --text heldout_texts/* \
         --json "$OUT/perplexity.json" 2>&1 | grep -v INFO | tail -16 ;;
     dsv4-layers)
-      for on in False True; do  # the compressors' one-launch decode step off, then on (compressor.DECODE_KERNEL)
-        echo "== dsv4 layers, compressor.DECODE_KERNEL = $on"
+      for on in False True; do  # the decode kernels and the window read in place off, then on
+        echo "== dsv4 layers, compressor.DECODE_KERNEL = dsv4.DECODE_WINDOW_IN_RING = $on"
         OUT="$OUT/dsv4_layers_$on" timeout 150 python3 -c "import sys
-import kestrel.models.deepseek_v4.compressor as c; c.DECODE_KERNEL = $on
+import kestrel.models.deepseek_v4.compressor as c, kestrel.attention.dsv4 as d
+c.DECODE_KERNEL = d.DECODE_WINDOW_IN_RING = $on
 from kestrel.bench.dsv4 import main; sys.exit(main(sys.argv[1:]))" --only layers 2>&1 | grep -v INFO | tail -8
       done ;;
     dsv4-moe)

@@ -96,6 +96,11 @@ def _values(rows: torch.Tensor, codec, dtype: torch.dtype) -> torch.Tensor:
     return rows.to(dtype) if codec is None else codec.decode(rows, dtype)
 
 
+# A decode step reads its window keys straight from the ring (`window_keys`); False gathers the earlier rows
+# into a copy first, as any other step does (a benchmark sets it to compare in one process).
+DECODE_WINDOW_IN_RING = True
+
+
 @dataclass(frozen=True)
 class WindowKeys:
     """Every query's window keys as a gather: `source[index]` [T, W, D], `valid` [T, W]."""
@@ -161,6 +166,14 @@ class DSV4Backend:
         plan = self.plan
         layer = self.pools.layer(layer_id)
         per_slot = getattr(layer, "win_kv", None)
+        if (DECODE_WINDOW_IN_RING and per_slot is None and layer.swa_kv_codec is None and layer.swa_kv.dtype == kv.dtype
+                and layer.swa_kv.shape[1] >= window_size and plan.num_tokens == plan.num_requests):
+            # One token per request: store it first (its ring slot held a position past every window), then
+            # read the whole window from the ring in place, with no copy of the earlier rows.
+            ring = layer.swa_kv
+            ring[plan.ring_writes(ring.shape[1])] = kv
+            index, valid = plan.window_in_ring(window_size, ring.shape[1])
+            return WindowKeys(ring.flatten(0, 1), index, valid)
         if per_slot is not None:
             codec = layer.win_kv_codec
             old = per_slot[plan.old_rows(window_size - 1, None)]

@@ -143,6 +143,15 @@ class StepPlan:
             return index.masked_fill(~valid, 0), valid
         return self._cached(("window", size), build)
 
+    def window_in_ring(self, size: int, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a step of one token per request whose window ring already holds it: per token, its `size`
+        window positions as (index [T, size] into the ring flattened over (row, ring slot), valid [T, size])."""
+        def build():
+            pos = self.tok_pos[:, None] - size + 1 + torch.arange(size, device=self.device)[None, :]
+            valid = pos >= 0
+            return self.rows[self.tok_req][:, None] * ring + pos.clamp(min=0) % ring, valid
+        return self._cached(("window_in_ring", size, ring), build)
+
     def ring_writes(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, ring slots) [T]: each request's newest min(extend, size) tokens at position mod size
         of its row; its older tokens of the step (overwritten within the step) at the padding row."""
