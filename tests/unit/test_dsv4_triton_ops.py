@@ -1,6 +1,6 @@
-"""V4's rope and head norm as Triton kernels (interpreter on CPU) == their torch forms, at V4's widths and
-shapes: q [T, heads, 512] and kv [T, 512] with 64 rope dims, the inverse rope on the attention output, the
-compressor's float32 entries; the head norm's rounding in bf16 where CUDA is present."""
+"""V4's rope, and its norms followed by the rope, as Triton kernels (interpreter on CPU) == their torch forms,
+at V4's shapes: q [T, heads, D] and kv [T, D] with a rope part, the inverse rope on the attention output;
+bf16 rounding too where CUDA is present."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,8 @@ pytest.importorskip("triton")
 from kestrel import envs  # noqa: E402
 from kestrel.models.deepseek_v4.config import YarnConfig  # noqa: E402
 from kestrel.models.deepseek_v4.rope import V4Rope  # noqa: E402
-from kestrel.models.deepseek_v4.triton_ops import head_rms_scale  # noqa: E402
+from kestrel.layers.norm import RMSNorm  # noqa: E402
+from kestrel.models.deepseek_v4.triton_ops import norm_rope  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not envs.triton_interpret(),
@@ -39,11 +40,20 @@ def test_triton_rope_equals_the_torch_rope(dtype, shape, inverse, yarn):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_head_rms_scale_equals_the_torch_form(dtype):
+@pytest.mark.parametrize("weighted", [False, True], ids=["head-norm", "rmsnorm"])
+def test_norm_then_rope_in_one_kernel_equals_the_torch_forms(dtype, weighted):
     gen = torch.Generator().manual_seed(0)
-    q = (torch.randn(3, 4, 96, generator=gen) * torch.linspace(0.1, 10, 4)[None, :, None]).to(DEVICE, dtype)
+    shape = (3, 96) if weighted else (3, 4, 96)
+    x = (torch.randn(shape, generator=gen) * torch.linspace(0.1, 10, shape[-2])[:, None]).to(DEVICE, dtype)
+    positions = torch.tensor([5, 70000, 1], device=DEVICE)
+    rope = V4Rope(32, 10000.0, YarnConfig(16.0, 64, 32.0, 1.0)).to(DEVICE)
     eps = 1e-6
-    want = q * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + eps).to(q.dtype)
-    got = head_rms_scale(q, eps)
-    assert got.dtype == dtype and got.shape == q.shape
-    torch.testing.assert_close(got, want)
+    if weighted:
+        norm = RMSNorm(96, eps).to(DEVICE, dtype)
+        norm.weight.data = torch.rand(96, generator=gen).to(DEVICE, dtype) + 0.5
+        want, weight = rope(norm(x), positions), norm.weight
+    else:
+        want, weight = rope(x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype), positions), None
+    got = norm_rope(x, weight, eps, positions, rope.omega, 32)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-5)

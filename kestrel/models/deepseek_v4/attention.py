@@ -44,14 +44,16 @@ class V4Attention(nn.Module):
         backend = dsv4_backend(batch)
         c_q = self.q_norm(self.wq_a(x))
         q = self.wq_b(c_q).unflatten(-1, (self.heads, self.head_dim))
-        if self.fused:
-            from kestrel.models.deepseek_v4.triton_ops import head_rms_scale  # triton is optional
+        if self.fused:  # each norm and its rope in one launch
+            from kestrel.models.deepseek_v4.triton_ops import norm_rope  # triton is optional
 
-            q = head_rms_scale(q, self.eps)
+            r = self.rope
+            q = norm_rope(q, None, self.eps, positions, r.omega, r.rope_dim)
+            kv = norm_rope(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, positions, r.omega, r.rope_dim)
         else:
             q = q * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + self.eps).to(q.dtype)
-        q = self.rope(q, positions)
-        kv = self.rope(self.kv_norm(self.wkv(x)), positions)
+            q = self.rope(q, positions)
+            kv = self.rope(self.kv_norm(self.wkv(x)), positions)
         window = backend.window_keys(self.layer_id, kv, self.window)
         selected = None
         if self.ratio:

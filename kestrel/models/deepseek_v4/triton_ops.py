@@ -1,12 +1,13 @@
 """V4's elementwise steps as one Triton launch each, on CUDA (the model's `fused` flag): at batch 1 a V4
 decode layer is launch-bound, and its rope alone runs six times per ratio-4 layer at ~9 torch launches
-each. Both kernels round where the torch forms do (`V4Rope.forward`, `V4Attention`'s head norm).
+each. The kernels round where the torch forms do (`V4Rope.forward`, `V4Attention`'s head norm, RMSNorm).
 
 - `rope`: the pairs (x[2k], x[2k+1]) of the last `rope_dim` dims of each row turned by position x omega_k
   (negated for the inverse), angles, products and sums in float32, the result cast to x's dtype; the
   other dims copied. A program per row of D values (a token's head, or a token).
-- `head_rms_scale`: each row times rsqrt(mean(row^2) + eps), the statistic in float32 and cast to the
-  row's dtype before the product (no weight).
+- `norm_rope`: a norm, then the rope, for q and the K=V entry of every layer: without a weight the
+  attention's head norm (each row times rsqrt(mean(row^2) + eps), the statistic in float32 and cast to
+  the row's dtype before the product), with one layers.norm.RMSNorm's rounding.
 - `compress_decode`: a compressor's whole step for a batch of one new token per request, after its two
   projections: the position's `ape` row added to the score, both rows stored in the state rings, and for a
   request whose token closes a block, the block pooled (softmax per channel over its candidate rows),
@@ -55,25 +56,48 @@ def rope(x: torch.Tensor, positions: torch.Tensor, omega: torch.Tensor, rope_dim
 
 
 @triton_jit
-def _rms_scale_kernel(X, Out, dim, eps, BLOCK_D: tl.constexpr):
+def _norm_rope_kernel(X, Wt, Pos, Omega, Out, rows_per_token, dim, eps, HAS_WEIGHT: tl.constexpr, ROPE: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < dim
-    x = tl.load(X + row * dim + offs, mask=mask, other=0.0)
-    xf = x.to(tl.float32)
-    rstd = (1.0 / tl.sqrt(tl.sum(xf * xf, 0) / dim + eps)).to(X.dtype.element_ty).to(tl.float32)
-    tl.store(Out + row * dim + offs, (xf * rstd).to(Out.dtype.element_ty), mask=mask)
+    xf = tl.load(X + row * dim + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / dim + eps)
+    if not HAS_WEIGHT:  # the head norm casts its statistic to the row's dtype before the product
+        rstd = rstd.to(X.dtype.element_ty).to(tl.float32)
+    normed = (xf * rstd).to(Out.dtype.element_ty).to(tl.float32)
+    if HAS_WEIGHT:
+        normed = (normed * tl.load(Wt + offs, mask=mask, other=0.0).to(tl.float32)).to(Out.dtype.element_ty)
+    base = dim - ROPE
+    keep = offs < base  # the dims the rope leaves alone; the rope dims are stored below, by other lanes
+    tl.store(Out + row * dim + offs, normed.to(Out.dtype.element_ty), mask=keep)
+    k = tl.arange(0, ROPE // 2)
+    even = tl.load(X + row * dim + base + 2 * k).to(tl.float32)
+    odd = tl.load(X + row * dim + base + 2 * k + 1).to(tl.float32)
+    even = (even * rstd).to(Out.dtype.element_ty).to(tl.float32)
+    odd = (odd * rstd).to(Out.dtype.element_ty).to(tl.float32)
+    if HAS_WEIGHT:
+        even = (even * tl.load(Wt + base + 2 * k).to(tl.float32)).to(Out.dtype.element_ty).to(tl.float32)
+        odd = (odd * tl.load(Wt + base + 2 * k + 1).to(tl.float32)).to(Out.dtype.element_ty).to(tl.float32)
+    angle = tl.load(Pos + row // rows_per_token).to(tl.float32) * tl.load(Omega + k)
+    cos, sin = tl.cos(angle), tl.sin(angle)
+    tl.store(Out + row * dim + base + 2 * k, (even * cos - odd * sin).to(Out.dtype.element_ty))
+    tl.store(Out + row * dim + base + 2 * k + 1, (even * sin + odd * cos).to(Out.dtype.element_ty))
 
 
-def head_rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D] -> x * rsqrt(mean(x^2, -1) + eps) as `V4Attention` writes it in torch, one launch."""
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor, omega: torch.Tensor,
+              rope_dim: int) -> torch.Tensor:
+    """x [T, ..., D] -> rope(norm(x)) in one launch: with `weight`, the RMSNorm of layers.norm (D-wide weight),
+    else the head norm (module docstring); then `rope` at positions [T]. x's shape and dtype."""
     x = x.contiguous()
     out = torch.empty_like(x)
-    dim = x.shape[-1]
+    dim, tokens = x.shape[-1], x.shape[0]
     if x.numel():
-        _rms_scale_kernel[(x.numel() // dim,)](x, out, dim, eps, BLOCK_D=triton.next_power_of_2(dim))
+        rows = x.numel() // dim
+        _norm_rope_kernel[(rows,)](x, weight if weight is not None else x, positions, omega, out, rows // tokens, dim,
+                                   eps, HAS_WEIGHT=weight is not None, ROPE=rope_dim,
+                                   BLOCK_D=triton.next_power_of_2(dim))
     return out
-
 
 @triton_jit
 def _compress_decode_kernel(
