@@ -304,7 +304,8 @@ run_stage() {
       server_deps || return 1
       # With tests/gpu, the unit tests whose kernels run on CUDA when it is there (bf16 cases included).
       timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest tests/gpu tests/unit/test_fused_kernels.py \
-        tests/unit/test_dsv4_triton_ops.py tests/unit/test_mla_triton.py -q -p no:cacheprovider -rf --durations=10 2>&1 \
+        tests/unit/test_dsv4_triton_ops.py tests/model/test_dsv4_compress_decode.py tests/unit/test_mla_triton.py -q \
+        -p no:cacheprovider -rf --durations=10 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -25 ;;
     cpu-tests)
       CUDA_VISIBLE_DEVICES= timeout 150 python3 -m pytest tests/model tests/e2e/test_engine.py -q -p no:cacheprovider \
@@ -431,6 +432,8 @@ run_stage() {
       timeout 100 python3 -m kestrel.cli bench perplexity --compare --text heldout_texts/* \
         --json "$OUT/perplexity.json" 2>&1 | grep -v INFO | tail -16 ;;
     dsv4-layers)
+      timeout 100 python3 -m pytest -q -p no:cacheprovider tests/model/test_dsv4_compress_decode.py \
+        tests/unit/test_dsv4_triton_ops.py 2>&1 | tail -3
       for on in False True; do  # the decode kernels and the window read in place off, then on
         echo "== dsv4 layers, compressor.DECODE_KERNEL = dsv4.DECODE_WINDOW_IN_RING = $on"
         OUT="$OUT/dsv4_layers_$on" timeout 150 python3 -c "import sys

@@ -19,7 +19,9 @@ from kestrel.models.deepseek_v4.config import parse_v4_config
 from kestrel.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from tests.model import dsv4_reference as ref
 
-pytestmark = pytest.mark.skipif(not envs.triton_interpret(), reason="the kernel runs on CPU through TRITON_INTERPRET=1")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(DEVICE.type == "cpu" and not envs.triton_interpret(),
+                                reason="the kernels run on CUDA, or on CPU through TRITON_INTERPRET=1")
 
 # Positions of this step's tokens: 3 closes ratio-4 block 0; 255 closes ratio-4 block 63 and ratio-128
 # block 1; 6 and 129 close none; 383 closes ratio-128 block 2 and ratio-4 block 95.
@@ -29,15 +31,15 @@ POSITIONS = [3, 6, 255, 129, 383]
 def step(ctx: LayerContext, host_lengths: bool) -> ForwardBatch:
     rows = ctx.rows[:len(POSITIONS)]
     table = ctx.memory.req_to_token.table
-    prefix = torch.tensor(POSITIONS)
+    prefix = torch.tensor(POSITIONS, device=DEVICE)
     n = len(POSITIONS)
     return ForwardBatch(
-        forward_mode=ForwardMode.DECODE, input_ids=torch.zeros(n, dtype=torch.int64), positions=prefix.clone(),
-        out_cache_loc=table[rows, prefix], req_pool_indices=torch.tensor(rows), seq_lens=prefix + 1,
-        prefix_lens=prefix.clone(), extend_lens=torch.ones(n, dtype=torch.int64),
+        forward_mode=ForwardMode.DECODE, input_ids=torch.zeros(n, dtype=torch.int64, device=DEVICE),
+        positions=prefix.clone(), out_cache_loc=table[rows, prefix], req_pool_indices=torch.tensor(rows, device=DEVICE),
+        seq_lens=prefix + 1, prefix_lens=prefix.clone(), extend_lens=torch.ones(n, dtype=torch.int64, device=DEVICE),
         seq_lens_cpu=(prefix + 1).tolist() if host_lengths else None,
         prefix_lens_cpu=POSITIONS if host_lengths else None, extend_lens_cpu=[1] * n if host_lengths else None,
-        max_extend=1, logits_indices=torch.arange(n), attn_backend=ctx.backend)
+        max_extend=1, logits_indices=torch.arange(n, device=DEVICE), attn_backend=ctx.backend)
 
 
 def fused_model(dtype: torch.dtype, **config) -> DeepseekV4ForCausalLM:
@@ -53,7 +55,7 @@ def fused_model(dtype: torch.dtype, **config) -> DeepseekV4ForCausalLM:
             if module is not None:
                 module.wkv.float(), module.wgate.float()
                 module.ape.data = module.ape.data.float()
-    return model
+    return model.to(DEVICE)
 
 
 @pytest.mark.parametrize("host_lengths", [True, False], ids=["host-plan", "graph-plan"])
@@ -61,7 +63,7 @@ def fused_model(dtype: torch.dtype, **config) -> DeepseekV4ForCausalLM:
 def test_fused_compressor_step_equals_the_torch_path(host_lengths, dtype) -> None:
     torch.manual_seed(0)
     model = fused_model(dtype)
-    ctx = LayerContext(model, len(POSITIONS), 512, 128, torch.device("cpu"), dtype)
+    ctx = LayerContext(model, len(POSITIONS), 512, 128, DEVICE, dtype)
     cfg = model.config
     compressors = []
     for ratio in (4, 128):
@@ -73,9 +75,9 @@ def test_fused_compressor_step_equals_the_torch_path(host_lengths, dtype) -> Non
         layer = ctx.backend.pools.layer(layer_id)
         names = (*comp.state, comp.entries)
         for n in names:  # earlier steps' rows in the rings, earlier blocks' entries in the buffer
-            getattr(layer, n).copy_(torch.randn(getattr(layer, n).shape))
+            getattr(layer, n).copy_(torch.randn(getattr(layer, n).shape, device=DEVICE))
         before = {n: getattr(layer, n).clone() for n in names}
-        x = torch.randn(len(POSITIONS), cfg.hidden_size).to(dtype)
+        x = torch.randn(len(POSITIONS), cfg.hidden_size, device=DEVICE).to(dtype)
         fb = step(ctx, host_lengths)
         after = {}
         for fused in (False, True):
@@ -107,13 +109,13 @@ def test_fused_index_scores_pick_the_torch_path_s_blocks(host_lengths) -> None:
     among 1 to 96 visible blocks, padded with -1 where fewer are visible."""
     torch.manual_seed(1)
     model = fused_model(torch.float32, index_n_heads=16)
-    ctx = LayerContext(model, len(POSITIONS), 512, 128, torch.device("cpu"), torch.float32)
+    ctx = LayerContext(model, len(POSITIONS), 512, 128, DEVICE, torch.float32)
     attn = model.layers[model.config.compress_ratios.index(4)].attn
     layer = ctx.backend.pools.layer(attn.layer_id)
-    layer.idx_k.copy_(torch.randn(layer.idx_k.shape))
+    layer.idx_k.copy_(torch.randn(layer.idx_k.shape, device=DEVICE))
     fb = step(ctx, host_lengths)
-    x = torch.randn(len(POSITIONS), model.config.hidden_size)
-    c_q = torch.randn(len(POSITIONS), model.config.q_lora_rank)
+    x = torch.randn(len(POSITIONS), model.config.hidden_size, device=DEVICE)
+    c_q = torch.randn(len(POSITIONS), model.config.q_lora_rank, device=DEVICE)
     picks = {}
     for fused in (False, True):
         ctx.backend.init_forward_metadata(fb)
@@ -133,15 +135,15 @@ def test_index_scores_round_as_the_torch_products_in_bfloat16() -> None:
 
     torch.manual_seed(2)
     B, heads, dim, n, slots_total = 3, 20, 48, 70, 300
-    q = torch.randn(B, heads, dim).bfloat16()
-    w = torch.randn(B, heads).bfloat16()
-    keys = torch.randn(slots_total, dim).bfloat16()
-    slots = torch.randint(0, slots_total, (B, n))
-    visible = torch.tensor([0, 33, 70])
+    q = torch.randn(B, heads, dim, device=DEVICE).bfloat16()
+    w = torch.randn(B, heads, device=DEVICE).bfloat16()
+    keys = torch.randn(slots_total, dim, device=DEVICE).bfloat16()
+    slots = torch.randint(0, slots_total, (B, n), device=DEVICE)
+    visible = torch.tensor([0, 33, 70], device=DEVICE)
     got = index_scores(q, w, 0.125, keys, slots, visible)
     weights = (w.float() * 0.125).bfloat16()[:, None, :]
     want = torch.bmm(weights, torch.bmm(q, keys[slots].transpose(1, 2)).relu()).squeeze(1).float()
-    want = want.masked_fill(torch.arange(n)[None, :] >= visible[:, None], float("-inf"))
+    want = want.masked_fill(torch.arange(n, device=DEVICE)[None, :] >= visible[:, None], float("-inf"))
     assert torch.equal(got.isinf(), want.isinf())
     # Scores are O(10); one bfloat16 rounding of a sum taken in another order is O(0.05).
     torch.testing.assert_close(got, want, atol=0.1, rtol=1 / 64)
