@@ -103,18 +103,17 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, position
 def _compress_decode_kernel(
     KV, Score, Ape, RingKV, RingScore, Rows, Pos, Table, NormW, Omega, Out, Slots,
     stride_proj, stride_ape, stride_ring_row, stride_ring_pos, stride_table, ring_len, eps,
-    RATIO: tl.constexpr, OVERLAP: tl.constexpr, DIM: tl.constexpr, ROPE: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
+    RATIO: tl.constexpr, OVERLAP: tl.constexpr, DIM: tl.constexpr, WIDTH: tl.constexpr, CAND: tl.constexpr,
+    ROPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + b)
     row = tl.load(Rows + b).to(tl.int64)
-    width = DIM * (2 if OVERLAP else 1)
     # 1. This token's rows, the score with its place in the block's `ape` row, into the rings.
     ring_base = row * stride_ring_row + (pos % ring_len) * stride_ring_pos
-    for w0 in tl.static_range(0, width, BLOCK_W):
+    for w0 in tl.static_range(0, WIDTH, BLOCK_W):
         offs = w0 + tl.arange(0, BLOCK_W)
-        ok = offs < width
+        ok = offs < WIDTH
         kv = tl.load(KV + b * stride_proj + offs, mask=ok)
         score = tl.load(Score + b * stride_proj + offs, mask=ok) + \
             tl.load(Ape + (pos % RATIO) * stride_ape + offs, mask=ok)
@@ -130,7 +129,6 @@ def _compress_decode_kernel(
         tl.debug_barrier()  # the rows stored above are read back below, by other threads of the program
         # 2. The block's candidates: its own RATIO rows (with overlap, their second half of channels), and
         # with overlap the previous block's rows' first half (none before block 0: weight 0).
-        CAND: tl.constexpr = RATIO * (2 if OVERLAP else 1)
         j = tl.arange(0, CAND)
         own = j >= (RATIO if OVERLAP else 0)
         cand_pos = index * RATIO - (RATIO if OVERLAP else 0) + j  # own: the block's, else the one before
@@ -193,7 +191,7 @@ def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ri
         _compress_decode_kernel[(B,)](
             kv, score, ape, ring_kv, ring_score, rows, positions, table, norm_weight, omega, out, slots,
             kv.stride(0), ape.stride(0), ring_kv.stride(0), ring_kv.stride(1), table.stride(0), ring_kv.shape[1], eps,
-            RATIO=ratio, OVERLAP=overlap, DIM=dim, ROPE=rope_dim, BLOCK_C=min(64, triton.next_power_of_2(dim)),
+            RATIO=ratio, OVERLAP=overlap, DIM=dim, WIDTH=width, CAND=ratio * (2 if overlap else 1), ROPE=rope_dim, BLOCK_C=min(64, triton.next_power_of_2(dim)),
             BLOCK_W=min(256, triton.next_power_of_2(width)))
     return out, slots
 
