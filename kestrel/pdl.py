@@ -22,9 +22,9 @@ import triton.language as tl
 from kestrel import envs
 from kestrel.envs import triton_jit
 
-# Off until a GPU run shows the gain (`bash scripts/gpu.sh OUT pdl`); a benchmark sets it in its process
-# before building a model, to compare in one process.
-ENABLED = False
+# On: batch-1 steps 2-8 % faster on the H100 (docs/benchmarks.md, `bash scripts/gpu.sh OUT pdl pdl-moe`); a
+# benchmark sets it in its process before building a model, to compare in one process.
+ENABLED = True
 
 
 @lru_cache(maxsize=None)
@@ -58,24 +58,3 @@ def sync(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
-
-# Whether a weight-streaming GEMV that takes part also starts its first strip of weights into L2 before its
-# wait (`prefetch_strip`): the weights do not depend on the kernel before, so their first bytes can move
-# while that kernel finishes. Off until measured against PDL alone.
-PREFETCH_WEIGHTS = False
-
-
-def prefetch_line(weight: torch.Tensor, width: int) -> int:
-    """The PREFETCH_LINE constexpr of a GEMV over `weight` whose strips are `width` elements wide: the
-    elements of a 128-byte line (at most `width`) where the prefetch is on, else 0 (off)."""
-    return min(128 // weight.element_size(), width) if PREFETCH_WEIGHTS and on(weight.device) else 0
-
-
-@triton_jit
-def prefetch_strip(W, rows, stride_row, col0, cols, WIDTH: tl.constexpr, LINE: tl.constexpr):
-    """Prefetch W[rows, col0 : col0 + WIDTH] (columns past `cols` left out) into L2, one `prefetch.global.L2`
-    per line of LINE elements (128 bytes; CUDA only). `rows` must lie inside W."""
-    offs = tl.minimum(col0 + tl.arange(0, WIDTH // LINE) * LINE, cols - 1)
-    ptrs = W + rows[:, None].to(tl.int64) * stride_row + offs[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)

@@ -83,12 +83,11 @@
 #                   (OUT/moe_profile_bs1.txt). < 5 min
 #   int4-m1         the W4A16 GEMM's GEMVs at M = 1 (the nibble GEMV and the other; < 3 min), then llama-3.1-8b-awq
 #                   one-batch at batch 1 without and with the nibble GEMV as default_config's (NIBBLE_TILE). < 7 min
-#   pdl             the one-row launch changes (docs/benchmarks.md, "Written since"): the GPU tests of the kernels
-#                   they touch, then batch 1 (graphs up to 1) of PDL_MODELS (default "bf16 fp8 awq": the 8B in bf16,
-#                   with --quantization fp8, llama-3.1-8b-awq), one process a model, its variants in turn twice
-#                   (kestrel.bench.variants): base (no PDL, the MLP's activation its own launch), pdl (kestrel/pdl.py
-#                   on), prefetch (and the GEMVs' weight prefetch), and each of them gated (the activation inside
-#                   the down GEMV: one_row_gemv.GATED_DOWN; not for awq). PDL_TESTS=0 leaves the tests out. < 9 min
+#   pdl             programmatic dependent launch and the activation inside the down GEMV: the GPU tests of the
+#                   kernels they touch, then batch 1 (graphs up to 1) of PDL_MODELS (default "bf16 fp8 awq": the 8B in
+#                   bf16, with --quantization fp8, llama-3.1-8b-awq), one process a model, its variants in turn twice
+#                   (kestrel.bench.variants): base (neither), pdl (kestrel/pdl.py), gated (one_row_gemv.GATED_DOWN;
+#                   not for awq), pdl_gated (both, the default). PDL_TESTS=0 leaves the tests out. < 5 min
 #   pdl-moe         PDL off and on for Qwen3-30B-A3B and gpt-oss-20b at batch 1 (MOE_MODELS as `moe`). < 5 min
 #   int4            llama-3.1-8b-awq one-batch at batch 1 and 64 against its 4-bit floor, the bf16 8B beside it
 #                   (the ratio from one machine), and the W4A16 GEMM's config sweep at the 8B's projection shapes,
@@ -564,11 +563,9 @@ sys.argv[0] = 'decode_attention'; runpy.run_module('kestrel.bench.kernels.decode
           awq) flags=$AWQ_BS1 ;;
         esac
         # One process a model: the variants in turn, twice (kestrel.bench.variants), each setting every constant.
-        set_v() { echo "$1=import kestrel.pdl as p, kestrel.layers.one_row_gemv as g; p.ENABLED = $2; p.PREFETCH_WEIGHTS = $3; g.GATED_DOWN = $4"; }
-        variants=(--variant "$(set_v base False False False)" --variant "$(set_v pdl True False False)"
-                  --variant "$(set_v prefetch True True False)")
-        [ "$model" = awq ] || variants+=(--variant "$(set_v gated False False True)" --variant "$(set_v pdl_gated True False True)"
-                                         --variant "$(set_v prefetch_gated True True True)")
+        set_v() { echo "$1=import kestrel.pdl as p, kestrel.layers.one_row_gemv as g; p.ENABLED = $2; g.GATED_DOWN = $3"; }
+        variants=(--variant "$(set_v base False False)" --variant "$(set_v pdl True False)")
+        [ "$model" = awq ] || variants+=(--variant "$(set_v gated False True)" --variant "$(set_v pdl_gated True True)")
         echo "== $model at batch 1"
         timeout 300 python3 -m kestrel.bench.variants $flags "${variants[@]}" --json "$OUT/launches_${model}_bs1.json" \
           2>&1 | grep -v "^\s*$" | grep -v " INFO " | tail -8

@@ -1,6 +1,5 @@
 """Compiles kestrel's PDL-taking kernels for sm_90 on any machine (Triton's compiler and ptxas, no GPU) and
-checks their PTX: the grid-dependency wait comes before every global memory access, the weight prefetch
-before the wait. Run as a module with TRITON_INTERPRET=0 (tests/unit/test_pdl_ptx.py does); prints one line
+checks their PTX: the grid-dependency wait comes before every global memory access. Run as a module with TRITON_INTERPRET=0 (tests/unit/test_pdl_ptx.py does); prints one line
 per kernel and exits non-zero on the first failure."""
 from __future__ import annotations
 
@@ -37,12 +36,9 @@ def check(code: str) -> str:
     first = min((m.start() for m in GLOBAL_ACCESS.finditer(code)), default=len(code))
     if first < wait:
         raise AssertionError(f"a global access before the wait: {code[first:first + 60]!r}")
-    prefetch = code.find("prefetch.global.L2")
-    if prefetch > wait:
-        raise AssertionError("the weight prefetch comes after the wait")
     if code.find("griddepcontrol.launch_dependents") < wait:
         raise AssertionError("the next kernel is let launch before the wait")
-    return "prefetch, wait" if prefetch >= 0 else "wait"
+    return "wait"
 
 
 BF16 = "*bf16"
@@ -58,14 +54,12 @@ DECODE_TYPES = {"Q": BF16, "K": BF16, "V": BF16, "O": BF16, "mid_o": "*fp32", "m
                 "sm_scale": "fp32", "k_scale": "fp32", "v_scale": "fp32"}
 HEAD_TYPES = {"X": BF16, "WQ": BF16, "WK": BF16, "OUT": BF16, "positions": "*i64", "cos_sin": "*fp32", "eps": "fp32"}
 CASES = {
-    "bf16 one-row GEMV, gated, prefetch": (fp8._gemv_kernel, GEMV_TYPES,
-                                           {**GEMV, "SCALED": False, "PREFETCH_LINE": 64, "GATED": True}),
-    "FP8 GEMV, W8A16, split K, prefetch": (fp8._gemv_kernel, FP8_TYPES,
-                                           {**GEMV, "SCALED": True, "BLOCK_N": 32, "DEFER": False, "PARTIAL": True,
-                                            "PREFETCH_LINE": 128, "GATED": False}),
+    "bf16 one-row GEMV, gated": (fp8._gemv_kernel, GEMV_TYPES, {**GEMV, "SCALED": False, "GATED": True}),
+    "FP8 GEMV, W8A16, split K": (fp8._gemv_kernel, FP8_TYPES,
+                                 {**GEMV, "SCALED": True, "BLOCK_N": 32, "DEFER": False, "PARTIAL": True, "GATED": False}),
     "FP8 GEMV, W8A8 in the kernel, gated": (fp8._gemv_kernel, FP8_TYPES,
                                             {**GEMV, "SCALED": True, "BLOCK_N": 16, "DEFER": False, "QUANT_X": True,
-                                             "PREFETCH_LINE": 0, "GATED": True}),
+                                             "GATED": True}),
     "FP8 tl.dot GEMM": (fp8._gemm_kernel, {**FP8_TYPES, "X_s": "*fp32"},
                         dict(HAS_BIAS=False, FUSED_QUANT=True, BLOCK_M=16, BLOCK_N=64, SPLIT_K=1, GROUP_M=8,
                              UPCAST=False, EXACT_ROUND=False)),
@@ -73,7 +67,7 @@ CASES = {
                                  dict(BLOCK_R=16, EXACT_ROUND=False)),
     "split-K sum": (fp8._split_sum_kernel, {"P": "*fp32", "Y": BF16, "Bias": BF16},
                     dict(SPLIT_K=4, HAS_BIAS=False, BLOCK=1024)),
-    "int4 GEMV on pairs, prefetch": (int4._w4a16_half2_gemv_kernel, INT4_TYPES, {**INT4, "PREFETCH_LINE": 32}),
+    "int4 GEMV on pairs": (int4._w4a16_half2_gemv_kernel, INT4_TYPES, INT4),
     "int4 nibble GEMV": (int4._w4a16_nibble_gemv_kernel, INT4_TYPES, INT4),
     "int4 tl.dot GEMM": (int4._w4a16_kernel, INT4_TYPES,
                          dict(GROUP=128, SCALE_ROWS=1, ROWS_PER_SCALE=128, HAS_PERM=False, HAS_BIAS=False, BLOCK_M=16,

@@ -169,7 +169,7 @@ def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, str
                  stride_pk, stride_pm, split_k, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
                  FUSED_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PARTIAL: tl.constexpr, EXACT_ROUND: tl.constexpr, DEFER: tl.constexpr, QUANT_X: tl.constexpr,
-                 PDL: tl.constexpr, PREFETCH_LINE: tl.constexpr, GATED: tl.constexpr):
+                 PDL: tl.constexpr, GATED: tl.constexpr):
     # One program: BLOCK_N weight rows x one split of K, for all M tokens at once, so each weight byte is
     # read once per step. No tensor cores: products in float32 registers, tl.sum over each strip. split_k
     # is not a constexpr, so a sweep over it compiles once.
@@ -183,8 +183,6 @@ def _gemv_kernel(X, X_s, W, W_s, Y, P, Bias, M, N, K, stride_xm, stride_xsm, str
     per_split = tl.cdiv(strips, split_k)
     lo = split * per_split
     hi = tl.minimum(lo + per_split, strips)
-    if PREFETCH_LINE:  # the weights do not depend on the kernel before: fetch the first strip before the wait
-        pdl.prefetch_strip(W, tl.minimum(offs_n, N - 1), stride_wn, lo * BLOCK_K, K, BLOCK_K, PREFETCH_LINE)
     pdl.sync(PDL)
     w_scale_row = W_s + (pid_n * BLOCK_N // 128) * stride_wsn  # BLOCK_N divides 128: one scale row per program
 
@@ -411,7 +409,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor |
         HAS_BIAS=bias is not None, SCALED=scaled, FUSED_QUANT=cfg.fused_quant, BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIAL=cfg.split_k > 1, EXACT_ROUND=envs.triton_interpret(),
         DEFER=cfg.defer_reduce, QUANT_X=cfg.quantize_x, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        PREFETCH_LINE=pdl.prefetch_line(weight, cfg.block_k), GATED=gated, **pdl.launch_options(x.device))
+        GATED=gated, **pdl.launch_options(x.device))
     if cfg.split_k > 1:
         sum_splits(partial, y, bias, cfg.split_k)
     return y

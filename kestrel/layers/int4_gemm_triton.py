@@ -198,15 +198,12 @@ def _f32_pair(h2):
 def _w4a16_half2_gemv_kernel(X, Perm, QW, Z, S, Y, P, Bias, N, K, stride_qw, stride_z, stride_s, stride_pk,
                              split_k, GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_N: tl.constexpr,
-                             PARTIAL: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINE: tl.constexpr):
+                             PARTIAL: tl.constexpr, PDL: tl.constexpr):
     # The nibble GEMV's tiles and passes, with two nibbles per pass (j and j + 4, the low and high halves of
     # one fp16x2). fp16 holds x after it is divided by its largest magnitude over this program's inputs, so
     # a pass's products (|code - zero| <= 15) and a tile's four-term sums stay far inside fp16's range; each
     # tile's sums leave fp16 for float32 with the group's scale, and the program's total is multiplied back.
     offs_n, n_mask, lo, hi = _one_row_split(K, N, split_k, BLOCK_N, BLOCK_W)
-    if PREFETCH_LINE:  # the weights do not depend on the kernel before: fetch the first tile before the wait
-        first = tl.minimum(lo * BLOCK_W + tl.arange(0, BLOCK_W), K // 8 - 1)
-        pdl.prefetch_strip(QW, first, stride_qw, tl.program_id(0) * BLOCK_N, N, BLOCK_N, PREFETCH_LINE)
     pdl.sync(PDL)
     inputs = tl.arange(0, 8 * BLOCK_W)
     big = tl.zeros([8 * BLOCK_W], tl.float32)
@@ -322,13 +319,12 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
     partial = y if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
     if cfg.nibbles or cfg.half2:
         kernel = _w4a16_half2_gemv_kernel if cfg.half2 else _w4a16_nibble_gemv_kernel
-        extra = {"PREFETCH_LINE": pdl.prefetch_line(qweight, cfg.block_n)} if cfg.half2 else {}
         kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
             x, perm if perm is not None else qweight, qweight, zeros, scales, y, partial,
             bias if bias is not None else y, n, k, qweight.stride(0), zeros.stride(0), scales.stride(0),
             partial.stride(0), cfg.split_k, GROUP=group_size, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
             BLOCK_N=cfg.block_n, BLOCK_W=bk // PACK, EVEN_N=n % cfg.block_n == 0, PARTIAL=cfg.split_k > 1,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra, **pdl.launch_options(x.device))
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device))
         if cfg.split_k > 1:
             sum_splits(partial, y, bias, cfg.split_k)
         return y

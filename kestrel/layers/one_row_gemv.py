@@ -11,7 +11,7 @@ otherwise; quantized layers keep their own kernels.
 
 `gated_down` is a gated MLP's down projection at one row with silu(gate) * up computed inside the GEMV, for
 the linears that run a GEMV there (these, and FP8 ones): one launch a layer fewer than the activation
-kernel and the GEMV, the same values bit for bit (off until measured: `GATED_DOWN`).
+kernel and the GEMV, the same values bit for bit (`GATED_DOWN`).
 """
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ from kestrel.layers.fp8_linear import Fp8Linear
 
 CONFIG = GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4, defer_reduce=True)
 ENABLED = True  # False: cuBLAS at one row too (to compare in one process)
-# Whether gated_down fuses at all. Off until measured: it saves a launch a layer but each GEMV program
-# recomputes silu for its strips (the 8B's bf16 down GEMV: 512 column blocks x 14,336 inputs), work that
-# should hide under the weight stream; `bash scripts/gpu.sh OUT pdl` compares the two.
-GATED_DOWN = False
+# Whether gated_down fuses at all: it saves a launch a layer, and each GEMV program recomputes silu for its
+# strips (the 8B's bf16 down GEMV: 512 column blocks x 14,336 inputs). With PDL on, the 8B at batch 1 on the
+# H100: FP8 3.475 -> 3.447 ms, bf16 5.514 -> 5.511 ms (`bash scripts/gpu.sh OUT pdl`, docs/benchmarks.md).
+GATED_DOWN = True
 
 
 def route_one_row_linears(model: nn.Module) -> int:

@@ -29,8 +29,7 @@ def _chain(x, residual, norm_w, w_up, w_down, layers):
     return x, argmax_rows(x.float())
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_a_graphed_pdl_chain_equals_the_plain_one(monkeypatch, prefetch):
+def test_a_graphed_pdl_chain_equals_the_plain_one(monkeypatch):
     gen = torch.Generator(device="cuda").manual_seed(0)
     d, inter, layers = 1024, 2048, 6
 
@@ -48,7 +47,6 @@ def test_a_graphed_pdl_chain_equals_the_plain_one(monkeypatch, prefetch):
         want.append((out.clone(), best.clone(), res.clone()))
 
     monkeypatch.setattr(pdl, "ENABLED", True)
-    monkeypatch.setattr(pdl, "PREFETCH_WEIGHTS", prefetch)
     x_in, res_in = torch.zeros(1, d, device="cuda", dtype=torch.bfloat16), torch.zeros(1, d, device="cuda",
                                                                                        dtype=torch.bfloat16)
     _chain(x_in.clone(), res_in.clone(), norm_w, w_up, w_down, layers)  # compile outside the capture
@@ -66,8 +64,7 @@ def test_a_graphed_pdl_chain_equals_the_plain_one(monkeypatch, prefetch):
         assert torch.equal(res_in, want_res)
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_the_int4_one_row_gemv_with_pdl_equals_it_without(monkeypatch, prefetch):
+def test_the_int4_one_row_gemv_with_pdl_equals_it_without(monkeypatch):
     from kestrel.layers.int4_gemm_triton import default_config, int4_gemm
 
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -81,5 +78,4 @@ def test_the_int4_one_row_gemv_with_pdl_equals_it_without(monkeypatch, prefetch)
     monkeypatch.setattr(pdl, "ENABLED", False)
     want = int4_gemm(x, qweight, zeros, scales, None, group, config=cfg)
     monkeypatch.setattr(pdl, "ENABLED", True)
-    monkeypatch.setattr(pdl, "PREFETCH_WEIGHTS", prefetch)
     assert torch.equal(int4_gemm(x, qweight, zeros, scales, None, group, config=cfg), want)
