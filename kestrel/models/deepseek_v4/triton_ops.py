@@ -1,6 +1,6 @@
-"""V4's elementwise steps as one Triton launch each, on CUDA (the model's `fused` flag): at batch 1 a V4
-decode layer is launch-bound, and its rope alone runs six times per ratio-4 layer at ~9 torch launches
-each. The kernels round where the torch forms do (`V4Rope.forward`, `V4Attention`'s head norm, RMSNorm).
+"""Parts of a V4 layer as one Triton launch each, on CUDA (the model's `fused` flag): at batch 1 a V4 decode
+layer is launch-bound (its rope alone ran six times per ratio-4 layer at ~9 torch launches each). The
+kernels round where the torch forms do (`V4Rope.forward`, `V4Attention`'s head norm, RMSNorm).
 
 - `rope`: the pairs (x[2k], x[2k+1]) of the last `rope_dim` dims of each row turned by position x omega_k
   (negated for the inverse), angles, products and sums in float32, the result cast to x's dtype; the
@@ -99,6 +99,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, position
                                    BLOCK_D=triton.next_power_of_2(dim))
     return out
 
+
 @triton_jit
 def _compress_decode_kernel(
     KV, Score, Ape, RingKV, RingScore, Rows, Pos, Table, NormW, Omega, Out, Slots,
@@ -155,7 +156,8 @@ def _compress_decode_kernel(
             ch = c0 + offs_c
             ch_ok = ch < DIM
             h = tl.load(Out + b * DIM + ch, mask=ch_ok).to(tl.float32)
-            normed = (h * rstd).to(Out.dtype.element_ty).to(tl.float32) * tl.load(NormW + ch, mask=ch_ok).to(tl.float32)
+            normed = (h * rstd).to(Out.dtype.element_ty).to(tl.float32)
+            normed = normed * tl.load(NormW + ch, mask=ch_ok).to(tl.float32)
             tl.store(Out + b * DIM + ch, normed.to(Out.dtype.element_ty), mask=ch_ok)
         tl.debug_barrier()
         k = tl.arange(0, ROPE // 2)
@@ -191,8 +193,8 @@ def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ri
         _compress_decode_kernel[(B,)](
             kv, score, ape, ring_kv, ring_score, rows, positions, table, norm_weight, omega, out, slots,
             kv.stride(0), ape.stride(0), ring_kv.stride(0), ring_kv.stride(1), table.stride(0), ring_kv.shape[1], eps,
-            RATIO=ratio, OVERLAP=overlap, DIM=dim, WIDTH=width, CAND=ratio * (2 if overlap else 1), ROPE=rope_dim, BLOCK_C=min(64, triton.next_power_of_2(dim)),
-            BLOCK_W=min(256, triton.next_power_of_2(width)))
+            RATIO=ratio, OVERLAP=overlap, DIM=dim, WIDTH=width, CAND=ratio * (2 if overlap else 1), ROPE=rope_dim,
+            BLOCK_C=min(64, triton.next_power_of_2(dim)), BLOCK_W=min(256, triton.next_power_of_2(width)))
     return out, slots
 
 
