@@ -58,13 +58,12 @@ class LlamaAttention(nn.Module):
     def qkv(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The attention call's inputs: q and k normed (Qwen3) and rotated, v."""
         qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        if self.rope_in_qk_norm:
-            qk = self.fused_qk_norm(qk, self.q_norm.weight, self.k_norm.weight, self.q_size // self.head_dim,
-                                    self.q_norm.eps, positions, self.rotary_emb.cos_sin_cache)
-            return *qk.split([self.q_size, self.kv_size], dim=-1), v
         if self.fused_qk_norm is not None:
+            rope = (positions, self.rotary_emb.cos_sin_cache) if self.rope_in_qk_norm else ()
             qk = self.fused_qk_norm(qk, self.q_norm.weight, self.k_norm.weight, self.q_size // self.head_dim,
-                                    self.q_norm.eps)
+                                    self.q_norm.eps, *rope)
+            if self.rope_in_qk_norm:  # rotated in the same launch
+                return *qk.split([self.q_size, self.kv_size], dim=-1), v
         elif self.qk_norm:
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
             q = self.q_norm(q.reshape(q.shape[0], -1, self.head_dim)).flatten(1)

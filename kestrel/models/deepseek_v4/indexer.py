@@ -37,24 +37,20 @@ class Indexer(nn.Module):
         """[T, k]: each query's top-k visible blocks (ordinals in its request's blocks; -1 = none)."""
         self.compressor(x, positions, backend, layer_id)
         q = self.rope(self.wq_b(c_q).unflatten(-1, (self.heads, self.dim)), positions)
-        if self.fused and compressor_module.DECODE_KERNEL and backend.decode_rows() is not None:
-            keys, slots, visible = backend.block_entries(layer_id, "idx_k", RATIO)
-            if keys is not None and keys.dtype == q.dtype:  # FP8 entries take the torch path
-                from kestrel.models.deepseek_v4.triton_ops import index_scores  # triton is optional
-
-                scores = index_scores(q, self.weights_proj(x), self.weight_scale, keys, slots, visible)
-                k = min(self.topk, scores.shape[1])
-                if k == 0:
-                    return torch.full((q.shape[0], 0), -1, dtype=torch.int64, device=x.device)
-                picked = scores.topk(k, dim=-1).indices
-                return torch.where(picked < visible[:, None], picked, -1)
-        weights = (self.weights_proj(x).float() * self.weight_scale).to(q.dtype)[:, None, :]  # [T, 1, heads]
-        keys, visible = backend.read_blocks(layer_id, "idx_k", RATIO, q.dtype)  # [B, N, c], [T]
-        n = keys.shape[1]
+        buffer, slots, visible = backend.block_entries(layer_id, "idx_k", RATIO)
+        n = slots.shape[1]
         k = min(self.topk, n)
         chosen = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=x.device)
         if k == 0:
             return chosen
+        if (self.fused and compressor_module.DECODE_KERNEL and backend.decode_rows() is not None
+                and buffer is not None and buffer.dtype == q.dtype):  # FP8 entries take the torch path
+            from kestrel.models.deepseek_v4.triton_ops import index_scores  # triton is optional
+
+            scores = index_scores(q, self.weights_proj(x), self.weight_scale, buffer, slots, visible)
+            return _top_visible(scores, visible[:, None], k)
+        weights = (self.weights_proj(x).float() * self.weight_scale).to(q.dtype)[:, None, :]  # [T, 1, heads]
+        keys, _ = backend.read_blocks(layer_id, "idx_k", RATIO, q.dtype)  # [B, N, c]
         blocks = torch.arange(n, device=x.device)[None, :]
         per_token = self.heads * n * q.element_size() * 2 + n * 4 * 2 + n * self.dim * q.element_size()
         for a, b, r0, r1 in backend.query_tiles(per_token):
@@ -65,7 +61,12 @@ class Indexer(nn.Module):
             # sum_h w_h ReLU(q_h . k): the ReLU sits between the two products, so [t, heads, n] is needed.
             scores = torch.bmm(weights[a:b], scores.relu_()).squeeze(1).float()  # [t, n]
             seen = visible[a:b, None]
-            picked = scores.masked_fill(blocks >= seen, float("-inf")).topk(k, dim=-1).indices
-            # topk fills up with invisible blocks when fewer than k are visible: those are "none".
-            chosen[a:b] = torch.where(picked < seen, picked, -1)
+            chosen[a:b] = _top_visible(scores.masked_fill(blocks >= seen, float("-inf")), seen, k)
         return chosen
+
+
+def _top_visible(scores: torch.Tensor, seen: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best blocks of scores [t, n] (-inf past each query's `seen` [t, 1] blocks); topk fills up with
+    invisible blocks when fewer than k are visible: those are "none" (-1)."""
+    picked = scores.topk(k, dim=-1).indices
+    return torch.where(picked < seen, picked, -1)
